@@ -1,0 +1,30 @@
+"""jaxflux: tensor-parallel matmuls with the collective hidden inside the GEMM (FLUX for JAX).
+
+Ops (per-device view, inside `jax.shard_map`): `all_gather_matmul`, `matmul_reduce_scatter`.
+Flax layers (global view, under `jit` with a mesh): `jaxflux.Dense` (Linen), `jaxflux.nnx.Linear`.
+"""
+from jaxflux._runtime import configure, has_cuda
+from jaxflux.ops import FusedKernelUnavailableError, all_gather_matmul, matmul_reduce_scatter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Dense",
+    "FusedKernelUnavailableError",
+    "all_gather_matmul",
+    "configure",
+    "has_cuda",
+    "matmul_reduce_scatter",
+    "nnx",
+]
+
+
+def __getattr__(name):
+  # The Flax layers import flax, which plain op users need not pay for at import time.
+  if name == "Dense":
+    from jaxflux.linen import Dense
+    return Dense
+  if name == "nnx":
+    import importlib
+    return importlib.import_module("jaxflux.nnx")
+  raise AttributeError(f"module 'jaxflux' has no attribute {name!r}")

@@ -1,0 +1,6 @@
+"""The tensor-parallel ops, one module each."""
+from jaxflux.ops._common import FusedKernelUnavailableError
+from jaxflux.ops.all_gather_matmul import all_gather_matmul
+from jaxflux.ops.matmul_reduce_scatter import matmul_reduce_scatter
+
+__all__ = ["FusedKernelUnavailableError", "all_gather_matmul", "matmul_reduce_scatter"]

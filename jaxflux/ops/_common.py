@@ -1,0 +1,135 @@
+"""Shared pieces of the two tensor-parallel ops: argument checks, impl choice, VJP helpers.
+
+Every check runs at trace time and raises ValueError/TypeError naming the argument, the shapes
+seen and the fix, so mistakes surface where the user wrote them, not inside XLA.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxflux import _runtime
+
+IMPLS = ("auto", "fused", "xla")
+FUSED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+class FusedKernelUnavailableError(RuntimeError):
+  """impl="fused" was requested where no fused kernel can run (never a silent fallback)."""
+
+
+def check_impl(op: str, impl: str) -> None:
+  if impl not in IMPLS:
+    raise ValueError(f"{op}: impl={impl!r} is not one of {IMPLS}. Use 'auto' to let jaxflux pick, "
+                     "'fused' to require the fused GPU kernel, or 'xla' for the pure-JAX reference.")
+
+
+def check_operands(op: str, x, w) -> None:
+  """Rank, contraction size and dtype kind of x [..., rows, K] and w [K, N]."""
+  if jnp.ndim(x) < 2:
+    raise ValueError(f"{op}: x must have rank >= 2 ([..., tokens, K]); got shape {jnp.shape(x)}. "
+                     "Add a token axis, e.g. x[None, :].")
+  if jnp.ndim(w) != 2:
+    raise ValueError(f"{op}: w must have rank 2 ([K, N]); got shape {jnp.shape(w)}. Reshape the "
+                     "weight to [in_features, out_features].")
+  if x.shape[-1] != w.shape[0]:
+    raise ValueError(f"{op}: contraction sizes differ: x has K={x.shape[-1]} (x.shape={x.shape}) "
+                     f"but w has K={w.shape[0]} (w.shape={w.shape}). Pass w as [K, N] (transpose "
+                     "it if it is stored [N, K]).")
+  for name, a in (("x", x), ("w", w)):
+    if not jnp.issubdtype(a.dtype, jnp.inexact):
+      raise TypeError(f"{op}: {name} must be a floating-point array; got dtype {a.dtype}. "
+                      f"Cast it, e.g. {name}.astype(jnp.bfloat16).")
+
+
+def axis_size(op: str, axis_name) -> int:
+  """Size of the named mesh axis, with a helpful error when it is not bound."""
+  if not isinstance(axis_name, str):
+    raise TypeError(f"{op}: axis_name must be a single mesh axis name (str); got {axis_name!r}.")
+  try:
+    return lax.axis_size(axis_name)
+  except NameError as e:
+    raise ValueError(
+        f"{op}: unknown axis_name={axis_name!r}: it is not a manual axis here. Call {op} inside "
+        f"jax.shard_map over a mesh that has an axis named {axis_name!r} (or pass the name of "
+        "your tensor-parallel axis).") from e
+
+
+def resolve_impl(op: str, impl: str, x, w, fused_supported) -> str:
+  """Picks "fused" or "xla". `fused_supported(x, w) -> str | None` says why fused can't run."""
+  check_impl(op, impl)
+  if impl == "xla":
+    return "xla"
+  if impl == "fused":
+    for name, a in (("x", x), ("w", w)):
+      if a.dtype not in FUSED_DTYPES:
+        raise TypeError(f"{op}(impl='fused'): {name}.dtype={a.dtype} is not supported by the fused "
+                        "kernel, which takes bfloat16 or float16 inputs (fp32 accumulation). Cast "
+                        "the inputs, or use impl='auto'/'xla'.")
+    if x.dtype != w.dtype:
+      raise TypeError(f"{op}(impl='fused'): x.dtype={x.dtype} and w.dtype={w.dtype} differ; the "
+                      "fused kernel needs one input dtype. Cast one of them.")
+    reason = fused_supported(x, w)
+    if reason is not None:
+      raise FusedKernelUnavailableError(f"{op}(impl='fused'): {reason} Use impl='auto' to fall "
+                                        "back to XLA where the fused kernel cannot run.")
+    return "fused"
+  # auto: fused only where a kernel exists and measurements say it wins.
+  return "fused" if fused_supported(x, w) is None else "xla"
+
+
+def platform_reason() -> str | None:
+  """Why no fused GPU kernel can run in this process at all, or None."""
+  if not _runtime.cuda_built():
+    return ("this jaxflux build has no CUDA kernels (installed without nvcc, or with "
+            "JAXFLUX_CUDA=OFF); reinstall on a machine with the CUDA toolkit.")
+  if not _runtime.has_cuda():
+    return "no CUDA GPU is visible to JAX (jax.devices('gpu') is empty)."
+  return None
+
+
+def result_dtype(x, w, preferred_element_type):
+  if preferred_element_type is None:
+    return jnp.result_type(x.dtype, w.dtype)
+  return jnp.dtype(preferred_element_type)
+
+
+def matmul(x, w, *, precision, preferred_element_type):
+  """x [..., r, K] @ w [K, N] with lax.dot_general semantics (what flax.linen.Dense computes)."""
+  return lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=preferred_element_type)
+
+
+def weight_grad(lhs, dout, *, precision, dtype):
+  """Sum over all leading axes and rows of lhsᵀ·dout: lhs [..., r, K], dout [..., r, N] → [K, N]."""
+  lead = tuple(range(lhs.ndim - 1))
+  dw = lax.dot_general(lhs, dout, ((lead, lead), ((), ())), precision=precision,
+                       preferred_element_type=jnp.float32)
+  return dw.astype(dtype)
+
+
+def match_vma(ct, primal):
+  """Sums a cotangent over mesh axes along which its primal was not varying.
+
+  Inside shard_map a replicated (unvarying) operand used with varying data is implicitly
+  broadcast (pvary); the transpose of that broadcast is a psum, which a custom_vjp must apply
+  itself so the cotangent has the primal's type.
+  """
+  extra = tuple(sorted(_vma(ct) - _vma(primal)))
+  return lax.psum(ct, extra) if extra else ct
+
+
+def _vma(a) -> frozenset:
+  """Mesh axes along which `a` varies inside shard_map (empty outside, or with check_vma=False)."""
+  aval = jax.typeof(a)
+  if hasattr(aval, "vma"):  # jax releases that expose it directly
+    return frozenset(aval.vma)
+  manual = getattr(aval, "manual_axis_type", None)  # jax 0.10: ManualAxisType(varying=...)
+  return frozenset(getattr(manual, "varying", ()) or ())
+
+
+def static_dtype(dtype):
+  """Hashable form of preferred_element_type for nondiff args."""
+  return None if dtype is None else np.dtype(dtype)

@@ -1,0 +1,93 @@
+"""GEMM+ReduceScatter: z = reduce_scatter(x @ w, axis=-2), the row-parallel matmul of tensor
+parallelism.
+
+Per-device view inside `jax.shard_map`:
+  x [..., M, k]      all tokens, this device's slice of the contraction dim
+  w [k, N]           this device's row shard of the weight
+  z [..., M/tp, N]   this device's token shard of the summed output
+
+Backward (the pair closes under differentiation):
+  dx, dz_full = all_gather_matmul(dz, wᵀ, return_gathered=True)   [..., M, k]
+  dw = xᵀ · dz_full                                                [k, N]
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+from jax import lax
+
+from jaxflux.ops import _common
+from jaxflux.ops.all_gather_matmul import all_gather_matmul
+
+
+def matmul_reduce_scatter(x, w, axis_name: str, *, impl: str = "auto",
+                          preferred_element_type=None, precision=None):
+  """Multiplies `x` by `w`, then sums over `axis_name` and scatters along the token axis (-2).
+
+  Equivalent to `lax.psum_scatter(x @ w, axis_name, scatter_dimension=x.ndim - 2, tiled=True)`,
+  with the reduce-scatter hidden inside the GEMM when the fused kernel runs. Call it inside
+  `jax.shard_map`.
+
+  Args:
+    x: [..., M, k] all tokens, local slice of the contraction dim; M must divide by tp.
+    w: [k, N] local row shard of the weight.
+    axis_name: the tensor-parallel mesh axis (size tp).
+    impl: "auto", "fused" (fused kernel or an error) or "xla" (pure-JAX reference).
+    preferred_element_type: output dtype; default is the promoted input dtype.
+    precision: `lax.Precision` for the XLA path, as in `lax.dot_general`.
+
+  Returns:
+    z [..., M/tp, N].
+  """
+  op = "matmul_reduce_scatter"
+  _common.check_impl(op, impl)
+  _common.check_operands(op, x, w)
+  tp = _common.axis_size(op, axis_name)
+  tokens = x.shape[-2]
+  if tokens % tp:
+    raise ValueError(
+        f"{op}: the token axis of x (axis -2, size {tokens}, x.shape={x.shape}) must divide by "
+        f"the size of mesh axis {axis_name!r} (tp={tp}) to be scattered. Pad the tokens to a "
+        f"multiple of {tp} or use a tp that divides {tokens}.")
+  _common.resolve_impl(op, impl, x, w, _fused_unsupported_reason)
+  return _matmul_reduce_scatter(x, w, axis_name, impl,
+                                _common.static_dtype(preferred_element_type), precision)
+
+
+def _fused_unsupported_reason(x, w) -> str | None:
+  """Why the fused GEMM+ReduceScatter kernel cannot run on these operands here, or None."""
+  reason = _common.platform_reason()
+  if reason is not None:
+    return reason
+  return "the fused GEMM+ReduceScatter kernel is not part of this jaxflux version yet."
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _matmul_reduce_scatter(x, w, axis_name, impl, preferred_element_type, precision):
+  return _forward(x, w, axis_name, impl, preferred_element_type, precision)
+
+
+def _forward(x, w, axis_name, impl, preferred_element_type, precision):
+  chosen = _common.resolve_impl("matmul_reduce_scatter", impl, x, w, _fused_unsupported_reason)
+  if chosen == "fused":  # Unreachable until the fused kernel lands: resolve_impl raised already.
+    raise NotImplementedError("fused GEMM+ReduceScatter")
+  partial_sum = _common.matmul(x, w, precision=precision,
+                               preferred_element_type=preferred_element_type)
+  return lax.psum_scatter(partial_sum, axis_name, scatter_dimension=x.ndim - 2, tiled=True)
+
+
+def _fwd(x, w, axis_name, impl, preferred_element_type, precision):
+  return _forward(x, w, axis_name, impl, preferred_element_type, precision), (x, w)
+
+
+def _bwd(axis_name, impl, preferred_element_type, precision, residuals, dz):
+  x, w = residuals
+  dz = dz.astype(_common.result_dtype(x, w, None))
+  dx, dz_full = all_gather_matmul(dz, w.T, axis_name, return_gathered=True, impl=impl,
+                                  preferred_element_type=x.dtype, precision=precision)
+  dw = _common.weight_grad(x, dz_full, precision=precision, dtype=w.dtype)
+  return _common.match_vma(dx, x), _common.match_vma(dw, w)
+
+
+_matmul_reduce_scatter.defvjp(_fwd, _bwd)

@@ -1,0 +1,42 @@
+"""Test setup: 8 virtual CPU devices (set before JAX starts its backends), float32 matmuls at
+full precision so the pure-JAX path can be compared tightly with float64 NumPy references, and
+the `gpu` marker, which skips a test unless the fused CUDA kernels can run here.
+"""
+import os
+
+import jax
+
+if os.environ.get("JAX_PLATFORMS", "") in ("", "cpu"):
+  jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import AxisType, Mesh  # noqa: E402
+
+import jaxflux  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+  if jaxflux.has_cuda():
+    return
+  skip = pytest.mark.skip(reason="needs CUDA GPUs and a CUDA build of jaxflux")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _enough_devices():
+  # CI sets JAXFLUX_REQUIRE_8_DEVICES=1 so that a misconfigured run fails instead of skipping.
+  if os.environ.get("JAXFLUX_REQUIRE_8_DEVICES") == "1" and len(jax.devices()) < 8:
+    pytest.fail(f"expected 8 devices, found {len(jax.devices())}: {jax.devices()}")
+
+
+def make_mesh(shape, names, devices=None) -> Mesh:
+  """A mesh with Auto axes (shard_map then reshards unsharded inputs as needed)."""
+  devices = jax.devices() if devices is None else devices
+  n = int(np.prod(shape))
+  if len(devices) < n:
+    pytest.skip(f"needs {n} devices, have {len(devices)}")
+  return Mesh(np.asarray(devices[:n]).reshape(shape), names, axis_types=(AxisType.Auto,) * len(shape))

@@ -1,0 +1,81 @@
+// nanobind module: FFI registrations and runtime entry points only. nvcc never sees this file;
+// everything CUDA lives in the jaxflux_cuda static library behind plain C++ headers.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#ifdef JAXFLUX_WITH_CUDA
+#include "xla_ffi/ffi/all_gather.h"
+#include "xla_ffi/runtime/runtime.h"
+#endif
+
+namespace nb = nanobind;
+
+namespace {
+
+#ifdef JAXFLUX_WITH_CUDA
+template <typename T>
+nb::capsule Capsule(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+#endif
+
+}  // namespace
+
+NB_MODULE(_jaxflux, m) {
+  m.doc() = "jaxflux native extension";
+#ifdef JAXFLUX_WITH_CUDA
+  m.attr("cuda_built") = true;
+#else
+  m.attr("cuda_built") = false;
+#endif
+
+  m.def("registrations", []() {
+    nb::dict registrations;
+#ifdef JAXFLUX_WITH_CUDA
+    nb::dict stateful;
+    stateful["instantiate"] = Capsule(JaxfluxAllGatherInstantiate);
+    stateful["execute"] = Capsule(JaxfluxAllGatherExecute);
+    registrations["jaxflux_all_gather"] = stateful;
+    registrations["jaxflux_all_gather_site_cached"] = Capsule(JaxfluxAllGatherSiteCached);
+#endif
+    return registrations;
+  }, "FFI targets by name (PyCapsules or stage dicts), empty when built without CUDA.");
+
+  m.def("type_registrations", []() {
+    nb::dict types;
+#ifdef JAXFLUX_WITH_CUDA
+    nb::dict rank_state;
+    rank_state["type_id"] = nb::capsule(reinterpret_cast<void*>(JaxfluxRankStateTypeId()));
+    rank_state["type_info"] =
+        nb::capsule(const_cast<void*>(static_cast<const void*>(JaxfluxRankStateTypeInfo())));
+    types["jaxflux_rank_state"] = rank_state;
+#endif
+    return types;
+  }, "FFI state types by name ({'type_id', 'type_info'} PyCapsules) for stateful targets.");
+
+#ifdef JAXFLUX_WITH_CUDA
+  m.def("ensure_workspace",
+        [](const std::vector<int>& ordinals, size_t bytes, size_t minimum_bytes) {
+          std::string error;
+          std::optional<int64_t> generation =
+              jaxflux::EnsureWorkspace(ordinals, bytes, minimum_bytes, &error);
+          if (!generation) throw std::runtime_error(error);
+          return *generation;
+        },
+        nb::arg("ordinals"), nb::arg("bytes"), nb::arg("minimum_bytes"),
+        "Grows the per-device arenas of `ordinals` to >= bytes; returns the generation to use.");
+  m.def("workspace_bytes", &jaxflux::WorkspaceBytes, nb::arg("generation"));
+  m.def("set_timeout_ns", &jaxflux::SetTimeoutNs, nb::arg("timeout_ns"));
+  m.def("set_sync_errors", &jaxflux::SetSyncErrors, nb::arg("sync"));
+  m.def("take_device_error", &jaxflux::TakeDeviceError,
+        "The first error a kernel recorded since the last take (and clears it), or None.");
+  m.def("discovery_count", &jaxflux::DiscoveryCount);
+#endif
+}
