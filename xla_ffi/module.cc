@@ -74,7 +74,11 @@ NB_MODULE(_jaxflux, m) {
   m.def("workspace_bytes", &jaxflux::WorkspaceBytes, nb::arg("generation"));
   m.def("set_timeout_ns", &jaxflux::SetTimeoutNs, nb::arg("timeout_ns"));
   m.def("set_sync_errors", &jaxflux::SetSyncErrors, nb::arg("sync"));
-  m.def("take_device_error", &jaxflux::TakeDeviceError,
+  m.def("take_device_error", []() -> nb::object {
+          char buffer[2048];
+          if (!jaxflux::TakeDeviceError(buffer, sizeof(buffer))) return nb::none();
+          return nb::str(buffer);
+        },
         "The first error a kernel recorded since the last take (and clears it), or None.");
   m.def("discovery_count", &jaxflux::DiscoveryCount);
 #endif

@@ -1,0 +1,112 @@
+"""Internal op: tiled all-gather along axis -2 driven by copy engines (per-device view).
+
+`all_gather(x, "tp")` inside `jax.shard_map` equals
+`lax.all_gather(x, "tp", axis=x.ndim - 2, tiled=True)`: x [..., m, k] -> [..., tp*m, k].
+It is the communication half of AllGather+GEMM and the proving ground of the GPU runtime
+(docs/runtime.md): symmetric workspace, epoch flags, bounded waits and rank discovery.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxflux import _runtime
+
+IMPLS = ("fused", "xla")
+
+
+def _other_manual_axes(axis_name: str) -> list[tuple[str, int]]:
+  """(name, size) of the manual mesh axes other than `axis_name`, in mesh order."""
+  mesh = jax.sharding.get_abstract_mesh()
+  names = tuple(getattr(mesh, "axis_names", ()) or ())
+  if not names:
+    return []
+  manual = set(getattr(mesh, "manual_axes", names) or ())
+  sizes = dict(zip(names, mesh.axis_sizes))
+  others = []
+  for name in names:
+    if name == axis_name:
+      continue
+    if name not in manual:
+      if sizes[name] > 1:
+        raise NotImplementedError(
+            f"all_gather(impl='fused'): mesh axis {name!r} (size {sizes[name]}) is not manual "
+            "here, so the fused op cannot tell its device groups apart. Run it in a shard_map "
+            "over all mesh axes (axis_names=set(mesh.axis_names)), or use impl='xla'.")
+      continue
+    others.append((name, sizes[name]))
+  return others
+
+
+def rank_info(axis_name: str) -> tuple[jax.Array, int]:
+  """This device's [rank along axis_name, group index over the other manual axes] (int32) and
+  the number of groups. The group index is the row-major index over the other axes' positions,
+  so two devices are in the same group iff they agree on every other axis."""
+  group = jnp.int32(0)
+  num_groups = 1
+  for name, size in _other_manual_axes(axis_name):
+    group = group * size + lax.axis_index(name).astype(jnp.int32)
+    num_groups *= size
+  info = jnp.stack([lax.axis_index(axis_name).astype(jnp.int32), jnp.asarray(group, jnp.int32)])
+  return info, num_groups
+
+
+def expected_rank_info(mesh: jax.sharding.Mesh, axis_name: str) -> dict[int, tuple[int, int]]:
+  """Host-side reference of `rank_info` for a concrete mesh: device id -> (rank, group)."""
+  names = list(mesh.axis_names)
+  t = names.index(axis_name)
+  others = [i for i in range(len(names)) if i != t]
+  result = {}
+  for pos in np.ndindex(*mesh.devices.shape):
+    group = 0
+    for i in others:
+      group = group * mesh.devices.shape[i] + pos[i]
+    result[int(mesh.devices[pos].id)] = (pos[t], group)
+  return result
+
+
+def all_gather(x, axis_name: str, *, impl: str = "fused", _debug_skip_signal_rank: int = -1):
+  """Gathers x [..., m, k] over `axis_name` along axis -2: returns [..., tp*m, k].
+
+  Args:
+    x: local shard, rank >= 2, any dtype (the fused path copies bytes).
+    axis_name: a manual mesh axis of the enclosing `jax.shard_map`.
+    impl: "fused" (copy engines, needs jaxflux.has_cuda()) or "xla" (lax.all_gather).
+    _debug_skip_signal_rank: test hook; that rank never signals, so its peers time out.
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"all_gather: impl={impl!r} is not one of {IMPLS}.")
+  if not isinstance(axis_name, str):
+    raise TypeError(f"all_gather: axis_name must be one mesh axis name (str), got {axis_name!r}.")
+  if jnp.ndim(x) < 2:
+    raise ValueError(f"all_gather: x must have rank >= 2 ([..., m, k]); got shape {jnp.shape(x)}.")
+  if impl == "xla":
+    return lax.all_gather(x, axis_name, axis=x.ndim - 2, tiled=True)
+  try:
+    tp = lax.axis_size(axis_name)
+  except NameError as e:
+    raise ValueError(f"all_gather: unknown axis_name={axis_name!r}: call it inside jax.shard_map "
+                     f"over a mesh with an axis named {axis_name!r}.") from e
+  if tp == 1:
+    return x
+  if not _runtime.has_cuda():
+    raise RuntimeError("all_gather(impl='fused'): jaxflux was built without CUDA or no GPU is "
+                       "visible; use impl='xla'.")
+  info, num_groups = rank_info(axis_name)
+  shard_bytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+  # Two staging slots (epoch parity), 256-byte aligned.
+  generation = _runtime.ensure_workspace(2 * (-(-shard_bytes // 256) * 256))
+  out_shape = x.shape[:-2] + (tp * x.shape[-2], x.shape[-1])
+  call = jax.ffi.ffi_call(_runtime.target_name("all_gather"),
+                          jax.ShapeDtypeStruct(out_shape, x.dtype))
+  return call(x, info,
+              tp=np.int64(tp),
+              num_groups=np.int64(num_groups),
+              site=np.int64(_runtime.new_site_id()),
+              generation=np.int64(generation),
+              debug_skip_rank=np.int64(_debug_skip_signal_rank),
+              mark_landed=np.int64(0))

@@ -1,0 +1,376 @@
+// Copy-engine all-gather along axis -2, the communication half of AllGather+GEMM.
+//
+// Per call (epoch e, parity e%2), on this device (rank r) of a group of tp devices:
+//   main stream : x -> my staging slot[e%2] in K chunks, after each chunk release
+//                 ready[r] = e*K+c+1 into every peer's flag array (system-scope release)
+//   side stream : (forked from main) x -> out[r]; for each chunk c, each peer p:
+//                 bounded wait ready[p] >= e*K+c+1, pull p's slot[e%2] chunk -> out[p]
+//   main waits for side (join) before the handler returns.
+// Why two slots are enough is argued in docs/runtime.md.
+#include "xla_ffi/ffi/all_gather.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <array>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/kernels/signal_kernels.h"
+#include "xla_ffi/runtime/runtime.h"
+#include "xla_ffi/runtime/signals.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxflux {
+
+// Ranks learned by one executable instance, per device of this process.
+struct RankState {
+  static ffi::TypeId id;
+  std::mutex mu;
+  std::array<bool, kMaxDevices> known{};
+  std::array<GroupInfo, kMaxDevices> groups{};
+};
+ffi::TypeId RankState::id = {};
+
+namespace {
+
+constexpr size_t kChunkTargetBytes = size_t{16} << 20;  // pipelining granularity of large shards
+constexpr int kMaxChunks = 4;
+
+ffi::Error CudaError(const std::string& call, cudaError_t err) {
+  return ffi::Error::Internal("jaxflux all_gather: " + call + " failed: " +
+                              cudaGetErrorString(err));
+}
+
+#define JAXFLUX_CUDA(call)                                    \
+  do {                                                        \
+    cudaError_t jaxflux_err_ = (call);                        \
+    if (jaxflux_err_ != cudaSuccess) {                        \
+      (void)cudaGetLastError();                               \
+      return CudaError(#call, jaxflux_err_);                  \
+    }                                                         \
+  } while (0)
+
+// A piece of the shard: rows [row0, row0+rows) of `row_bytes` each, bytes [col0, col0+cols).
+struct Chunk {
+  size_t row0, rows, col0, cols;
+};
+
+// Splits [rows x row_bytes] into at most kMaxChunks 2D pieces of about kChunkTargetBytes.
+int MakeChunks(size_t rows, size_t row_bytes, std::array<Chunk, kMaxChunks>* chunks) {
+  const size_t total = rows * row_bytes;
+  size_t k = std::clamp<size_t>(total / kChunkTargetBytes, 1, kMaxChunks);
+  if (rows == 1) {
+    // Split the single row in 256-byte aligned column pieces.
+    size_t piece = (row_bytes / k + 255) / 256 * 256;
+    if (piece == 0) piece = row_bytes;
+    int n = 0;
+    for (size_t c = 0; c < row_bytes && n < kMaxChunks; c += piece) {
+      (*chunks)[n++] = Chunk{0, 1, c, std::min(piece, row_bytes - c)};
+    }
+    return n;
+  }
+  k = std::min(k, rows);
+  const size_t per = (rows + k - 1) / k;
+  int n = 0;
+  for (size_t r = 0; r < rows; r += per) (*chunks)[n++] = Chunk{r, std::min(per, rows - r), 0, row_bytes};
+  return n;
+}
+
+cudaError_t Copy2D(char* dst, size_t dst_pitch, const char* src, size_t src_pitch,
+                   const Chunk& c, cudaStream_t stream) {
+  return cudaMemcpy2DAsync(dst + c.row0 * dst_pitch + c.col0, dst_pitch,
+                           src + c.row0 * src_pitch + c.col0, src_pitch, c.cols, c.rows,
+                           cudaMemcpyDefault, stream);
+}
+
+ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
+                         ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_info,
+                         ffi::Result<ffi::AnyBuffer> out, int64_t generation,
+                         int64_t debug_skip_rank, int64_t mark_landed) {
+  // A device error recorded since the last call (e.g. a timeout) fails this call, but only after
+  // it has taken part in the protocol, so that epochs stay aligned across the group.
+  std::optional<std::string> pending = TakeDeviceErrorMessage();
+
+  const auto dims = x.dimensions();
+  const size_t elem = ffi::ByteWidth(x.element_type());
+  const size_t m = static_cast<size_t>(dims[dims.size() - 2]);
+  const size_t k = static_cast<size_t>(dims[dims.size() - 1]);
+  const size_t row_bytes = m * k * elem;  // one batch entry of the shard
+  const size_t rows = row_bytes == 0 ? 0 : x.size_bytes() / row_bytes;
+  const size_t shard_bytes = x.size_bytes();
+  const int tp = g.tp;
+  const int rank = g.rank;
+
+  char* arena = WorkspaceArena(generation, ordinal);
+  const size_t half = WorkspaceBytes(generation) / 2;
+  if (shard_bytes > 0 && (arena == nullptr || shard_bytes > half)) {
+    return ffi::Error::Internal(
+        "jaxflux all_gather: workspace generation " + std::to_string(generation) +
+        " has no room for a " + std::to_string(shard_bytes) + "-byte shard on GPU " +
+        std::to_string(ordinal) + " (the op must be traced through jaxflux, which sizes it)");
+  }
+  std::array<char*, kMaxRanks> peer_arena{};
+  for (int p = 0; p < tp; ++p) {
+    peer_arena[p] = WorkspaceArena(generation, g.peers[p]);
+    if (shard_bytes > 0 && peer_arena[p] == nullptr) {
+      return ffi::Error::Internal("jaxflux all_gather: no workspace on GPU " +
+                                  std::to_string(g.peers[p]) + " in generation " +
+                                  std::to_string(generation));
+    }
+  }
+
+  DeviceGuard guard(ordinal);
+  JAXFLUX_CUDA(guard.status());
+  DeviceResources* res = nullptr;
+  std::string failed;
+  if (cudaError_t err = GetDeviceResources(ordinal, &res, &failed); err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return CudaError(failed, err);
+  }
+  std::lock_guard<std::mutex> device_lock(res->mu);
+  std::array<DeviceResources*, kMaxRanks> peer_res{};
+  for (int p = 0; p < tp; ++p) {
+    if (cudaError_t err = GetDeviceResources(g.peers[p], &peer_res[p], &failed);
+        err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return CudaError(failed, err);
+    }
+  }
+
+  std::array<Chunk, kMaxChunks> chunks;
+  const int num_chunks = rows == 0 ? 0 : MakeChunks(rows, row_bytes, &chunks);
+  const uint64_t epoch = NextEpoch(g.channel, ordinal);
+  const uint64_t parity = epoch & 1;
+  const uint64_t base = epoch * kMaxChunks;  // flag value of chunk c at this epoch: base + c + 1
+  const uint64_t timeout_ns = TimeoutNs();
+  DeviceErrorRecord* err_rec = DeviceErrorRecordPtr();
+  const size_t out_pitch = row_bytes * tp;
+  char* out_base = static_cast<char*>(out->untyped_data());
+  const char* x_base = static_cast<const char*>(x.untyped_data());
+  const size_t slot_offset = parity * half;
+
+  JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
+  JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
+
+  // Main stream: stage and release, chunk by chunk, so peers start pulling early.
+  ReleaseParams rel{};
+  rel.rank_info = rank_info.typed_data();
+  rel.expected_rank = rank;
+  rel.expected_group = g.group;
+  rel.device = ordinal;
+  rel.op = static_cast<int32_t>(OpCode::kAllGather);
+  rel.epoch = epoch;
+  rel.error = err_rec;
+  rel.num_flags = 0;
+  const bool skip = debug_skip_rank == rank;  // test hook: this rank never signals
+  for (int p = 0; p < tp; ++p) {
+    if (p == rank || skip) continue;
+    rel.flags[rel.num_flags++] =
+        peer_res[p]->ready_flags + static_cast<size_t>(g.channel) * kMaxDevices + ordinal;
+  }
+  for (int c = 0; c < num_chunks; ++c) {
+    JAXFLUX_CUDA(Copy2D(arena + slot_offset, row_bytes, x_base, row_bytes, chunks[c], stream));
+    rel.value = base + c + 1;
+    JAXFLUX_CUDA(LaunchRelease(rel, stream));
+  }
+  if (num_chunks == 0) {  // empty shard: still verify the rank and keep the flags moving
+    rel.value = base + kMaxChunks;
+    JAXFLUX_CUDA(LaunchRelease(rel, stream));
+  }
+
+  // Own chunk on the main stream, after the release: it gates nobody, and the side stream's
+  // pulls start without waiting for it.
+  if (shard_bytes > 0) {
+    JAXFLUX_CUDA(cudaMemcpy2DAsync(out_base + rank * row_bytes, out_pitch, x_base, row_bytes,
+                                   row_bytes, rows, cudaMemcpyDefault, stream));
+  }
+  // Side stream: peers' chunks as they are released.
+  uint64_t* my_ready = res->ready_flags + static_cast<size_t>(g.channel) * kMaxDevices;
+  uint64_t* my_landed = res->landed_flags + static_cast<size_t>(g.channel) * kMaxDevices;
+  if (mark_landed && shard_bytes > 0) {
+    JAXFLUX_CUDA(LaunchMark(MarkParams{my_landed + ordinal, base + kMaxChunks}, stream));
+  }
+  WaitParams wait{};
+  wait.timeout_ns = timeout_ns;
+  wait.epoch = epoch;
+  wait.device = ordinal;
+  wait.rank = rank;
+  wait.op = static_cast<int32_t>(OpCode::kAllGather);
+  wait.error = err_rec;
+  const int waits = std::max(num_chunks, 1);
+  for (int c = 0; c < waits; ++c) {
+    for (int i = 1; i < tp; ++i) {
+      const int p = (rank + i) % tp;  // rotated so ranks start on different peers
+      wait.flag = my_ready + g.peers[p];
+      wait.peer = p;
+      wait.target = num_chunks == 0 ? base + kMaxChunks : base + c + 1;
+      JAXFLUX_CUDA(LaunchWait(wait, res->side));
+      if (num_chunks == 0) continue;
+      JAXFLUX_CUDA(Copy2D(out_base + p * row_bytes, out_pitch, peer_arena[p] + slot_offset,
+                          row_bytes, chunks[c], res->side));
+      if (mark_landed) {
+        JAXFLUX_CUDA(LaunchMark(MarkParams{my_landed + g.peers[p], base + c + 1}, res->side));
+      }
+    }
+  }
+  JAXFLUX_CUDA(cudaEventRecord(res->join, res->side));
+  JAXFLUX_CUDA(cudaStreamWaitEvent(stream, res->join, 0));
+
+  if (DebugEnabled()) {
+    std::fprintf(stderr, "[jaxflux] GPU %d rank %d channel %d: all_gather epoch %llu, %zu bytes, "
+                 "%d chunks launched\n", ordinal, rank, g.channel,
+                 static_cast<unsigned long long>(epoch), shard_bytes, num_chunks);
+  }
+  if (SyncErrors()) {
+    JAXFLUX_CUDA(cudaStreamSynchronize(stream));
+    if (!pending) pending = TakeDeviceErrorMessage();
+  }
+  if (pending) return ffi::Error::Internal(*pending);
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_info,
+                       ffi::Result<ffi::AnyBuffer> out, int64_t tp) {
+  const auto dims = x.dimensions();
+  if (dims.size() < 2) {
+    return ffi::Error::InvalidArgument("jaxflux all_gather: x must have rank >= 2, got rank " +
+                                       std::to_string(dims.size()));
+  }
+  if (ffi::ByteWidth(x.element_type()) == 0 || x.element_type() == ffi::DataType::PRED) {
+    return ffi::Error::InvalidArgument("jaxflux all_gather: unsupported element type");
+  }
+  if (out->element_type() != x.element_type() ||
+      out->size_bytes() != x.size_bytes() * static_cast<size_t>(tp)) {
+    return ffi::Error::InvalidArgument("jaxflux all_gather: out must be x's dtype and tp times "
+                                       "its size");
+  }
+  if (rank_info.element_count() != 2) {
+    return ffi::Error::InvalidArgument("jaxflux all_gather: rank_info must hold 2 int32s");
+  }
+  if (tp < 2 || tp > kMaxRanks) {
+    return ffi::Error::InvalidArgument("jaxflux all_gather: tp must be in 2.." +
+                                       std::to_string(kMaxRanks) + ", got " + std::to_string(tp));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::ErrorOr<std::unique_ptr<RankState>> AllGatherInstantiate() {
+  return std::make_unique<RankState>();
+}
+
+ffi::Error AllGatherExecute(cudaStream_t stream, int32_t ordinal, RankState* state,
+                            ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_info,
+                            ffi::Result<ffi::AnyBuffer> out, int64_t tp, int64_t num_groups,
+                            int64_t site, int64_t generation, int64_t debug_skip_rank,
+                            int64_t mark_landed) {
+  if (ffi::Error e = CheckInputs(x, rank_info, out, tp); e.failure()) return e;
+  if (DebugEnabled()) {
+    std::fprintf(stderr, "[jaxflux] GPU %d: all_gather (stateful) site %lld state %p\n", ordinal,
+                 static_cast<long long>(site), static_cast<void*>(state));
+  }
+  if (ordinal < 0 || ordinal >= kMaxDevices) {
+    return ffi::Error::InvalidArgument("jaxflux all_gather: device ordinal out of range");
+  }
+  GroupInfo g;
+  {
+    std::unique_lock<std::mutex> lock(state->mu);
+    if (!state->known[ordinal]) {
+      // Discovery blocks on peers; don't hold the state lock that their handlers need.
+      lock.unlock();
+      std::string error;
+      if (!DiscoverGroup(stream, ordinal, rank_info.typed_data(), site, tp, num_groups, &g,
+                         &error)) {
+        return ffi::Error::Internal(error);
+      }
+      lock.lock();
+      state->groups[ordinal] = g;
+      state->known[ordinal] = true;
+    }
+    g = state->groups[ordinal];
+  }
+  return AllGatherImpl(stream, ordinal, g, x, rank_info, out, generation, debug_skip_rank,
+                       mark_landed);
+}
+
+std::shared_mutex g_site_mu;
+std::map<std::pair<int64_t, int>, GroupInfo> g_site_groups;
+
+ffi::Error AllGatherSiteCached(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                               ffi::Buffer<ffi::S32> rank_info,
+                               ffi::Result<ffi::AnyBuffer> out, int64_t tp, int64_t num_groups,
+                               int64_t site, int64_t generation, int64_t debug_skip_rank,
+                               int64_t mark_landed) {
+  if (ffi::Error e = CheckInputs(x, rank_info, out, tp); e.failure()) return e;
+  GroupInfo g;
+  bool known = false;
+  {
+    std::shared_lock<std::shared_mutex> lock(g_site_mu);
+    auto it = g_site_groups.find({site, ordinal});
+    if (it != g_site_groups.end()) {
+      g = it->second;
+      known = true;
+    }
+  }
+  if (!known) {
+    std::string error;
+    if (!DiscoverGroup(stream, ordinal, rank_info.typed_data(), site, tp, num_groups, &g,
+                       &error)) {
+      return ffi::Error::Internal(error);
+    }
+    std::unique_lock<std::shared_mutex> lock(g_site_mu);
+    g_site_groups[{site, ordinal}] = g;
+  }
+  return AllGatherImpl(stream, ordinal, g, x, rank_info, out, generation, debug_skip_rank,
+                       mark_landed);
+}
+
+}  // namespace
+}  // namespace jaxflux
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxAllGatherInstantiate, jaxflux::AllGatherInstantiate,
+                              xla::ffi::Ffi::BindInstantiate());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxfluxAllGatherExecute, jaxflux::AllGatherExecute,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()       // XLA's stream for this device
+        .Ctx<xla::ffi::DeviceOrdinal>()                      // CUDA ordinal of this device
+        .Ctx<xla::ffi::State<jaxflux::RankState>>()          // ranks cached per executable
+        .Arg<xla::ffi::AnyBuffer>()                          // x: local shard [..., m, k]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()              // rank_info: [axis_index, group]
+        .Ret<xla::ffi::AnyBuffer>()                          // out: [..., tp*m, k]
+        .Attr<int64_t>("tp")                                 // group size
+        .Attr<int64_t>("num_groups")                         // groups over the other mesh axes
+        .Attr<int64_t>("site")                               // unique id of the traced call
+        .Attr<int64_t>("generation")                         // workspace generation to use
+        .Attr<int64_t>("debug_skip_rank")                    // test hook: rank that never signals
+        .Attr<int64_t>("mark_landed"));                      // set per-chunk landed flags
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxfluxAllGatherSiteCached, jaxflux::AllGatherSiteCached,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()       // XLA's stream for this device
+        .Ctx<xla::ffi::DeviceOrdinal>()                      // CUDA ordinal of this device
+        .Arg<xla::ffi::AnyBuffer>()                          // x: local shard [..., m, k]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()              // rank_info: [axis_index, group]
+        .Ret<xla::ffi::AnyBuffer>()                          // out: [..., tp*m, k]
+        .Attr<int64_t>("tp")                                 // group size
+        .Attr<int64_t>("num_groups")                         // groups over the other mesh axes
+        .Attr<int64_t>("site")                               // unique id of the traced call
+        .Attr<int64_t>("generation")                         // workspace generation to use
+        .Attr<int64_t>("debug_skip_rank")                    // test hook: rank that never signals
+        .Attr<int64_t>("mark_landed"));                      // set per-chunk landed flags
+
+extern "C" XLA_FFI_TypeId* JaxfluxRankStateTypeId() { return &jaxflux::RankState::id; }
+
+extern "C" const XLA_FFI_TypeInfo* JaxfluxRankStateTypeInfo() {
+  static const XLA_FFI_TypeInfo info = xla::ffi::MakeTypeInfo<jaxflux::RankState>();
+  return &info;
+}

@@ -1,0 +1,71 @@
+// Internal runtime pieces the FFI handlers use (CUDA types allowed here; not seen by module.cc).
+#ifndef JAXFLUX_XLA_FFI_RUNTIME_SIGNALS_H_
+#define JAXFLUX_XLA_FFI_RUNTIME_SIGNALS_H_
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "xla_ffi/runtime/runtime.h"
+#include "xla_ffi/kernels/signal_kernels.h"
+
+namespace jaxflux {
+
+// Where one device stands in its tensor-parallel group, found once per executable instance.
+struct GroupInfo {
+  int rank = -1;                         // position along the gathered mesh axis
+  int group = -1;                        // linear index over the other mesh axes
+  int tp = 0;                            // group size
+  int channel = -1;                      // index of this group's flags and epoch counters
+  std::array<int, kMaxRanks> peers{};    // CUDA ordinal of each rank of the group
+};
+
+// Per-device resources that live for the process: side stream, fork/join events, flag arrays.
+struct DeviceResources {
+  std::mutex mu;            // one handler at a time per device
+  std::atomic<bool> ready{false};
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork = nullptr;
+  cudaEvent_t join = nullptr;
+  uint64_t* ready_flags = nullptr;   // [kMaxChannels][kMaxDevices]: device d staged chunk c
+  uint64_t* landed_flags = nullptr;  // [kMaxChannels][kMaxDevices]: chunk of device d is in out
+};
+
+// Resources of `ordinal` (created by EnsureWorkspace at trace time).
+cudaError_t GetDeviceResources(int ordinal, DeviceResources** out, std::string* failed_call);
+
+// Arena base of `ordinal` in `generation` (nullptr when absent).
+char* WorkspaceArena(int64_t generation, int ordinal);
+
+// Bumps and returns the epoch of (channel, ordinal). Epochs start at 1.
+uint64_t NextEpoch(int channel, int ordinal);
+
+// Host-mapped record the kernels write on timeout / rank mismatch (device pointer).
+DeviceErrorRecord* DeviceErrorRecordPtr();
+
+// Reads this device's rank info (one synchronous D2H copy on `stream`), then rendezvous with the
+// other local devices of the same call site until all `tp` ranks of its group are known.
+// Bounded by the configured timeout.
+bool DiscoverGroup(cudaStream_t stream, int ordinal, const int32_t* rank_info_device,
+                   int64_t site, int64_t tp, int64_t num_groups, GroupInfo* info,
+                   std::string* error);
+
+// Scoped cudaSetDevice that restores the previous device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int ordinal);
+  ~DeviceGuard();
+  cudaError_t status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  cudaError_t status_ = cudaSuccess;
+};
+
+}  // namespace jaxflux
+
+#endif  // JAXFLUX_XLA_FFI_RUNTIME_SIGNALS_H_
