@@ -40,3 +40,13 @@ def make_mesh(shape, names, devices=None) -> Mesh:
   if len(devices) < n:
     pytest.skip(f"needs {n} devices, have {len(devices)}")
   return Mesh(np.asarray(devices[:n]).reshape(shape), names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+def mesh_of(shape, names, axis_types=AxisType.Explicit) -> Mesh:
+  """jax.make_mesh over the first devices, Explicit axes by default (as jax.make_mesh does)."""
+  n = int(np.prod(shape))
+  if jax.device_count() < n:
+    pytest.skip(f"needs {n} devices, have {jax.device_count()}")
+  if isinstance(axis_types, AxisType):
+    axis_types = (axis_types,) * len(shape)
+  return jax.make_mesh(shape, names, axis_types, devices=jax.devices()[:n])

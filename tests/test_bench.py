@@ -1,0 +1,200 @@
+"""Smoke test of `python -m jaxflux.bench`, in-process on the 8 virtual CPU devices, tiny shapes.
+
+Checks the JSON record (keys, positive times of the XLA variants, nulls with reasons for the
+variants that need a GPU or a fused kernel) and the derived numbers, not performance.
+"""
+import json
+import math
+
+import jax
+import pytest
+
+from jaxflux import bench
+
+SHAPES = {
+    "ag_gemm": [{"name": "tiny-ag", "K": 64, "N": 64}],
+    "gemm_rs": [{"name": "tiny-rs", "K": 64, "N": 64}],
+    "M": [64],
+}
+TOP_KEYS = {"command", "argv", "date", "machine", "versions", "settings", "definitions", "rows",
+            "output"}
+ROW_KEYS = {"op", "name", "M", "K", "N", "tp", "dtype", "per_device", "ms", "spread_ms",
+            "samples_ms", "gbps", "speedup_vs_xla", "speedup_vs_xla_all", "rel_err", "errors",
+            "warnings", "calls_per_run", "input_sets"}
+ON_CPU = jax.default_backend() == "cpu"
+
+
+@pytest.fixture(scope="module")
+def shapes_file(tmp_path_factory):
+  path = tmp_path_factory.mktemp("bench") / "shapes.json"
+  path.write_text(json.dumps(SHAPES))
+  return path
+
+
+def _run(op, shapes_file, out, *extra):
+  argv = ["--op", op, "--shapes-file", str(shapes_file), "--iters", "3", "--warmup", "1",
+          "--repeats", "2", "--out", str(out), *extra]
+  result = bench.run(argv, log=lambda *a, **k: None)
+  on_disk = json.loads(open(result["output"]).read())
+  assert on_disk["rows"][0]["name"] == result["rows"][0]["name"]
+  assert TOP_KEYS <= set(on_disk), TOP_KEYS - set(on_disk)
+  return on_disk
+
+
+def _check_common(result, op):
+  assert result["command"].startswith("python -m jaxflux.bench --op " + op)
+  assert result["date"].endswith("Z")
+  machine, versions = result["machine"], result["versions"]
+  assert machine["platform"] == jax.default_backend()
+  assert machine["device_count"] == len(jax.devices())
+  assert versions["jax"] == jax.__version__
+  assert {"jaxlib", "jaxflux", "jaxflux_cuda_built"} <= set(versions)
+  assert "hostname" not in json.dumps(result).lower()
+  (row,) = result["rows"]
+  assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
+  assert row["op"] == op and row["tp"] == len(jax.devices()) and row["dtype"] == "bfloat16"
+  assert row["ms"]["xla"] > 0
+  lo, hi = row["spread_ms"]["xla"]
+  assert 0 < lo <= row["ms"]["xla"] <= hi
+  assert len(row["samples_ms"]["xla"]) == 2
+  return row
+
+
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs"])
+def test_gemm_ops(op, shapes_file, tmp_path):
+  result = _run(op, shapes_file, tmp_path)
+  row = _check_common(result, op)
+  tp = row["tp"]
+  assert (row["M"], row["K"], row["N"]) == (64, 64, 64)
+  if op == "ag_gemm":
+    assert row["per_device"] == {"x": [64 // tp, 64], "w": [64, 64 // tp], "out": [64, 64 // tp]}
+  else:
+    assert row["per_device"] == {"x": [64, 64 // tp], "w": [64 // tp, 64], "out": [64 // tp, 64]}
+  for v in ("gemm", "comm", "xla", "auto"):
+    assert row["ms"][v] > 0, (v, row["errors"].get(v))
+  for v in ("gemm", "xla", "auto"):
+    assert row["tflops"][v] > 0
+  assert row["gbps"]["comm"] > 0
+  assert row["rel_err"]["auto"] < 1e-2
+  assert math.isfinite(row["overlap_efficiency_all"]["xla"])
+  expected_e = (row["ms"]["gemm"] + row["ms"]["comm"] - row["ms"]["xla"]) / row["ms"]["comm"]
+  assert row["overlap_efficiency_all"]["xla"] == pytest.approx(expected_e, rel=1e-3, abs=1e-4)
+  assert result["output"].split("/")[-1].startswith(f"{op}_{'cpu' if ON_CPU else 'gpu'}_tp{tp}_")
+  if ON_CPU:
+    assert row["ms"]["jaxflux"] is None and row["errors"]["jaxflux"]
+    assert row["speedup_vs_xla"] is None and row["overlap_efficiency"] is None
+    assert row["ms"]["xla_windowed"] is None and "GPU" in row["errors"]["xla_windowed"]
+    if op == "ag_gemm":
+      assert row["ms"]["pallas"] is None and "GPU" in row["errors"]["pallas"]
+    else:
+      assert "pallas" not in row["ms"]
+
+
+def test_all_gather(shapes_file, tmp_path):
+  out = tmp_path / "ag.json"
+  result = _run("all_gather", shapes_file, out)
+  assert result["output"] == str(out)
+  row = _check_common(result, "all_gather")
+  assert (row["M"], row["K"]) == (64, 64)
+  shard_bytes = 64 // row["tp"] * 64 * 2
+  assert row["comm_bytes_per_device"] == (row["tp"] - 1) * shard_bytes
+  assert row["gbps"]["xla"] == pytest.approx(
+      row["comm_bytes_per_device"] / row["ms"]["xla"] / 1e6, rel=1e-3)
+  if ON_CPU:
+    assert row["ms"]["jaxflux"] is None and row["errors"]["jaxflux"]
+
+
+def test_all_gather_sizes_mib(tmp_path):
+  result = bench.run(["--op", "all_gather", "--sizes-mib", "0.0625", "--iters", "2",
+                      "--warmup", "1", "--repeats", "1", "--variants", "xla",
+                      "--out", str(tmp_path / "s.json")], log=lambda *a, **k: None)
+  (row,) = result["rows"]
+  assert row["M"] // row["tp"] * row["K"] * 2 == 65536
+  assert row["ms"]["xla"] > 0 and row["errors"]["jaxflux"] == "not requested"
+
+
+def test_dispatch_timing_and_gspmd(shapes_file, tmp_path):
+  result = _run("gemm_rs", shapes_file, tmp_path, "--timing", "dispatch",
+                "--variants", "xla,xla_gspmd")
+  (row,) = result["rows"]
+  assert result["settings"]["timing"] == "dispatch"
+  assert row["ms"]["xla_gspmd"] > 0 and row["rel_err"]["xla_gspmd"] < 1e-2
+  assert row["calls_per_run"]["xla"] == 3
+
+
+def test_summary_math():
+  row = bench.Row("ag_gemm", "t", 1024, 512, 256, 2, "bfloat16")
+  samples = {"gemm": [1.0, 1.2, 0.9], "comm": [0.5], "xla": [1.5], "jaxflux": [1.1]}
+  record = bench.summarize_row(row, list(bench.DEFAULT_VARIANTS), samples, {}, {}, {}, {}, 1)
+  assert record["ms"]["gemm"] == 1.0 and record["spread_ms"]["gemm"] == [0.9, 1.2]
+  assert record["speedup_vs_xla"] == pytest.approx(1.5 / 1.1)
+  assert record["overlap_efficiency"] == pytest.approx((1.0 + 0.5 - 1.1) / 0.5)
+  assert record["overlap_efficiency_all"]["xla"] == pytest.approx(0.0)
+  assert record["tflops"]["jaxflux"] == pytest.approx(2 * 1024 * 512 * 256 / 2 / 1.1e-3 / 1e12)
+  assert record["gbps"]["comm"] == pytest.approx(512 * 512 * 2 / 0.5e-3 / 1e9)
+  assert record["errors"]["pallas"] == "not run"
+
+
+def test_bad_arguments(shapes_file, tmp_path):
+  with pytest.raises(ValueError, match="not divisible by tp"):
+    bench.run(["--op", "ag_gemm", "--shapes-file", str(shapes_file), "--M", "3",
+               "--variants", "xla", "--out", str(tmp_path)], log=lambda *a, **k: None)
+  with pytest.raises(ValueError, match="unknown name"):
+    bench.run(["--op", "ag_gemm", "--shapes-file", str(shapes_file), "--shapes", "nope",
+               "--variants", "xla", "--out", str(tmp_path)], log=lambda *a, **k: None)
+  with pytest.raises(SystemExit):
+    bench.parse_args(["--op", "ag_gemm", "--variants", "bogus"])
+
+
+def test_windowed_child_merge(shapes_file, tmp_path, monkeypatch):
+  # The child process normally runs on GPU only; the hook lets it run here (where XLA ignores
+  # the windowed-einsum flags) so that the subprocess round trip and the merge are exercised.
+  monkeypatch.setenv("JAXFLUX_BENCH_WINDOWED_ON_CPU", "1")
+  monkeypatch.setenv("JAX_NUM_CPU_DEVICES", str(len(jax.devices())))
+  result = _run("ag_gemm", shapes_file, tmp_path, "--variants", "gemm,comm,xla,xla_windowed")
+  (row,) = result["rows"]
+  assert row["ms"]["xla_windowed"] > 0, row["errors"].get("xla_windowed")
+  assert "xla_windowed" not in row["errors"]
+  assert row["rel_err"]["xla_windowed"] < 1e-2
+  detail = row["xla_windowed_detail"]
+  assert detail["xla_ms_in_child"] > 0 and detail["windowed_loop_in_hlo"] is not None
+  assert row["speedup_vs_xla_all"]["xla_windowed"] == pytest.approx(
+      detail["xla_ms_in_child"] / row["ms"]["xla_windowed"], rel=1e-3)
+  assert math.isfinite(row["overlap_efficiency_all"]["xla_windowed"])
+
+
+class _FakePallas:
+  """Stands in for collective_matmul_mgpu so the sweep logic runs on CPU: one config fails as
+  a shared-memory overflow would, one computes wrong values, the rest are right."""
+  import enum as _enum
+
+  class MatmulDimension(_enum.IntEnum):
+    M = 0
+    N = 1
+
+  class TuningConfig:
+    def __init__(self, **kw):
+      self.__dict__.update(kw)
+
+  @staticmethod
+  def all_gather_lhs_matmul(lhs, rhs, axis_name, *, config, dtype):
+    from jax import lax
+    if config.tile_n == 64:
+      raise ValueError("Requested 300000 bytes exceeds available shared memory")
+    y = lax.all_gather(lhs, axis_name, axis=0, tiled=True) @ rhs
+    return (-y if config.tile_m == 64 else y).astype(dtype)
+
+
+def test_pallas_sweep_logic(shapes_file, tmp_path, monkeypatch):
+  monkeypatch.setattr(bench, "_is_gpu", lambda: True)
+  monkeypatch.setattr(bench, "_pallas_module", lambda: _FakePallas)
+  result = _run("ag_gemm", shapes_file, tmp_path, "--variants", "xla,pallas", "--chain", "perturb")
+  (row,) = result["rows"]
+  sweep = row["pallas_sweep"]
+  assert len(sweep) == len(bench.PALLAS_CONFIGS)
+  assert "shared memory" in sweep["tm128_tn64_tk64_s4_wgN_minorM_w8"]["error"]
+  assert "wrong result" in sweep["tm64_tn128_tk64_s4_wgM_minorM_w4"]["error"]
+  good = {k: v["ms"] for k, v in sweep.items() if "ms" in v}
+  assert len(good) == 3 and row["pallas_config"] in good
+  assert row["ms"]["pallas"] > 0 and row["rel_err"]["pallas"] < 1e-2
+  assert math.isfinite(row["speedup_vs_xla_all"]["pallas"])
