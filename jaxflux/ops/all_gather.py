@@ -98,8 +98,8 @@ def all_gather(x, axis_name: str, *, impl: str = "fused", _debug_skip_signal_ran
                        "visible; use impl='xla'.")
   info, num_groups = rank_info(axis_name)
   shard_bytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-  # Two staging slots (epoch parity), 256-byte aligned.
-  generation = _runtime.ensure_workspace(2 * (-(-shard_bytes // 256) * 256))
+  # Receive slots [epoch parity][source rank], 256-byte aligned (peers push into them).
+  generation = _runtime.ensure_workspace(2 * tp * (-(-shard_bytes // 256) * 256))
   out_shape = x.shape[:-2] + (tp * x.shape[-2], x.shape[-1])
   call = jax.ffi.ffi_call(_runtime.target_name("all_gather"),
                           jax.ShapeDtypeStruct(out_shape, x.dtype))

@@ -1,18 +1,20 @@
 // Copy-engine all-gather along axis -2, the communication half of AllGather+GEMM.
 //
-// Per call (epoch e, parity e%2), on this device (rank r) of a group of tp devices:
-//   main stream : x -> my staging slot[e%2] in K chunks, after each chunk release
-//                 ready[r] = e*K+c+1 into every peer's flag array (system-scope release)
-//   side stream : (forked from main) x -> out[r]; for each chunk c, each peer p:
-//                 bounded wait ready[p] >= e*K+c+1, pull p's slot[e%2] chunk -> out[p]
+// Push protocol. Per call (epoch e, parity e%2), on this device (rank r) of a group of tp:
+//   side stream : (forked from main) for each chunk c: copy x[c] straight into every peer's
+//                 receive slot [e%2][r] (P2P copy-engine write), then release
+//                 ready[this device] = e*K+c+1 into every peer's flag array (system scope)
+//   main stream : x -> out[r] (SM copy); for each chunk c, each peer p: bounded wait on the
+//                 local ready[p] >= e*K+c+1, then SM copy of slot [e%2][p] chunk -> out[p]
 //   main waits for side (join) before the handler returns.
-// Why two slots are enough is argued in docs/runtime.md.
+// Why two parities suffice without a "consumed" flag is argued in docs/runtime.md.
 #include "xla_ffi/ffi/all_gather.h"
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <array>
 #include <map>
 #include <memory>
@@ -40,7 +42,7 @@ ffi::TypeId RankState::id = {};
 
 namespace {
 
-constexpr size_t kChunkTargetBytes = size_t{16} << 20;  // pipelining granularity of large shards
+constexpr size_t kChunkTargetBytes = size_t{8} << 20;   // pipelining granularity of large shards
 constexpr int kMaxChunks = 4;
 
 ffi::Error CudaError(const std::string& call, cudaError_t err) {
@@ -62,16 +64,27 @@ struct Chunk {
   size_t row0, rows, col0, cols;
 };
 
-// Splits [rows x row_bytes] into at most kMaxChunks 2D pieces of about kChunkTargetBytes.
+// Upper bound on chunks per shard: kMaxChunks, or fewer via JAXFLUX_AG_MAX_CHUNKS (an experiment
+// knob: pipelining pays off for the fused GEMM, while a bare all-gather may prefer fewer launches).
+size_t MaxChunks() {
+  static const size_t value = [] {
+    const char* env = std::getenv("JAXFLUX_AG_MAX_CHUNKS");
+    const long n = env ? std::strtol(env, nullptr, 10) : kMaxChunks;
+    return static_cast<size_t>(std::clamp<long>(n, 1, kMaxChunks));
+  }();
+  return value;
+}
+
+// Splits [rows x row_bytes] into at most MaxChunks() 2D pieces of about kChunkTargetBytes.
 int MakeChunks(size_t rows, size_t row_bytes, std::array<Chunk, kMaxChunks>* chunks) {
   const size_t total = rows * row_bytes;
-  size_t k = std::clamp<size_t>(total / kChunkTargetBytes, 1, kMaxChunks);
+  size_t k = std::clamp<size_t>(total / kChunkTargetBytes, 1, MaxChunks());
   if (rows == 1) {
     // Split the single row in 256-byte aligned column pieces.
     size_t piece = (row_bytes / k + 255) / 256 * 256;
     if (piece == 0) piece = row_bytes;
     int n = 0;
-    for (size_t c = 0; c < row_bytes && n < kMaxChunks; c += piece) {
+    for (size_t c = 0; c < row_bytes && n < static_cast<int>(k); c += piece) {
       (*chunks)[n++] = Chunk{0, 1, c, std::min(piece, row_bytes - c)};
     }
     return n;
@@ -108,13 +121,16 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
   const int tp = g.tp;
   const int rank = g.rank;
 
-  char* arena = WorkspaceArena(generation, ordinal);
+  // Receive slots: arena = [parity][source rank][slot_bytes]; parity halves start at `half`.
+  const size_t slot_bytes = (shard_bytes + 255) / 256 * 256;
   const size_t half = WorkspaceBytes(generation) / 2;
-  if (shard_bytes > 0 && (arena == nullptr || shard_bytes > half)) {
+  if (shard_bytes > 0 && (WorkspaceArena(generation, ordinal) == nullptr ||
+                          slot_bytes * static_cast<size_t>(tp) > half)) {
     return ffi::Error::Internal(
         "jaxflux all_gather: workspace generation " + std::to_string(generation) +
-        " has no room for a " + std::to_string(shard_bytes) + "-byte shard on GPU " +
-        std::to_string(ordinal) + " (the op must be traced through jaxflux, which sizes it)");
+        " has no room for " + std::to_string(tp) + " receive slots of a " +
+        std::to_string(shard_bytes) + "-byte shard on GPU " + std::to_string(ordinal) +
+        " (the op must be traced through jaxflux, which sizes it)");
   }
   std::array<char*, kMaxRanks> peer_arena{};
   for (int p = 0; p < tp; ++p) {
@@ -147,19 +163,23 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
   std::array<Chunk, kMaxChunks> chunks;
   const int num_chunks = rows == 0 ? 0 : MakeChunks(rows, row_bytes, &chunks);
   const uint64_t epoch = NextEpoch(g.channel, ordinal);
-  const uint64_t parity = epoch & 1;
+  const size_t slot_base = (epoch & 1) * half;
   const uint64_t base = epoch * kMaxChunks;  // flag value of chunk c at this epoch: base + c + 1
   const uint64_t timeout_ns = TimeoutNs();
   DeviceErrorRecord* err_rec = DeviceErrorRecordPtr();
   const size_t out_pitch = row_bytes * tp;
   char* out_base = static_cast<char*>(out->untyped_data());
   const char* x_base = static_cast<const char*>(x.untyped_data());
-  const size_t slot_offset = parity * half;
+  char* my_arena = WorkspaceArena(generation, ordinal);
+  // Copy grids: at most two blocks of 512 threads per SM (they never spin).
+  const int max_blocks = 2 * std::max(res->sm_count, 1);
 
   JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
   JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
 
-  // Main stream: stage and release, chunk by chunk, so peers start pulling early.
+  // Side stream: push x chunk by chunk into every peer's receive slot [parity][rank] (P2P
+  // copy-engine writes straight from XLA's input buffer), then release the chunk's flag in every
+  // peer's ready array (system fence before the flag).
   ReleaseParams rel{};
   rel.rank_info = rank_info.typed_data();
   rel.expected_rank = rank;
@@ -176,50 +196,66 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
         peer_res[p]->ready_flags + static_cast<size_t>(g.channel) * kMaxDevices + ordinal;
   }
   for (int c = 0; c < num_chunks; ++c) {
-    JAXFLUX_CUDA(Copy2D(arena + slot_offset, row_bytes, x_base, row_bytes, chunks[c], stream));
+    for (int i = 1; i < tp; ++i) {
+      const int p = (rank + i) % tp;  // rotated so ranks start on different peers
+      JAXFLUX_CUDA(Copy2D(peer_arena[p] + slot_base + rank * slot_bytes, row_bytes, x_base,
+                          row_bytes, chunks[c], res->side));
+    }
     rel.value = base + c + 1;
-    JAXFLUX_CUDA(LaunchRelease(rel, stream));
+    JAXFLUX_CUDA(LaunchRelease(rel, res->side));
   }
   if (num_chunks == 0) {  // empty shard: still verify the rank and keep the flags moving
     rel.value = base + kMaxChunks;
-    JAXFLUX_CUDA(LaunchRelease(rel, stream));
+    JAXFLUX_CUDA(LaunchRelease(rel, res->side));
   }
 
-  // Own chunk on the main stream, after the release: it gates nobody, and the side stream's
-  // pulls start without waiting for it.
-  if (shard_bytes > 0) {
-    JAXFLUX_CUDA(cudaMemcpy2DAsync(out_base + rank * row_bytes, out_pitch, x_base, row_bytes,
-                                   row_bytes, rows, cudaMemcpyDefault, stream));
-  }
-  // Side stream: peers' chunks as they are released.
+  // Main stream: own chunk x -> out[rank] (SM copy, overlaps the push), then for each chunk and
+  // peer: bounded wait on the local ready flag, SM copy slot -> out[p].
   uint64_t* my_ready = res->ready_flags + static_cast<size_t>(g.channel) * kMaxDevices;
   uint64_t* my_landed = res->landed_flags + static_cast<size_t>(g.channel) * kMaxDevices;
-  if (mark_landed && shard_bytes > 0) {
-    JAXFLUX_CUDA(LaunchMark(MarkParams{my_landed + ordinal, base + kMaxChunks}, stream));
+  WaitCopyParams wc{};
+  wc.wait.timeout_ns = timeout_ns;
+  wc.wait.epoch = epoch;
+  wc.wait.device = ordinal;
+  wc.wait.rank = rank;
+  wc.wait.op = static_cast<int32_t>(OpCode::kAllGather);
+  wc.wait.error = err_rec;
+  wc.dst_pitch = out_pitch;
+  wc.src_pitch = row_bytes;
+  if (shard_bytes > 0) {
+    wc.wait.flag = nullptr;
+    wc.dst = out_base + rank * row_bytes;
+    wc.src = x_base;
+    wc.rows = rows;
+    wc.cols = row_bytes;
+    JAXFLUX_CUDA(LaunchWaitCopy(wc, max_blocks, stream));
+    if (mark_landed) {
+      JAXFLUX_CUDA(LaunchMark(MarkParams{my_landed + ordinal, base + kMaxChunks}, stream));
+    }
   }
-  WaitParams wait{};
-  wait.timeout_ns = timeout_ns;
-  wait.epoch = epoch;
-  wait.device = ordinal;
-  wait.rank = rank;
-  wait.op = static_cast<int32_t>(OpCode::kAllGather);
-  wait.error = err_rec;
   const int waits = std::max(num_chunks, 1);
   for (int c = 0; c < waits; ++c) {
     for (int i = 1; i < tp; ++i) {
-      const int p = (rank + i) % tp;  // rotated so ranks start on different peers
-      wait.flag = my_ready + g.peers[p];
-      wait.peer = p;
-      wait.target = num_chunks == 0 ? base + kMaxChunks : base + c + 1;
-      JAXFLUX_CUDA(LaunchWait(wait, res->side));
-      if (num_chunks == 0) continue;
-      JAXFLUX_CUDA(Copy2D(out_base + p * row_bytes, out_pitch, peer_arena[p] + slot_offset,
-                          row_bytes, chunks[c], res->side));
+      const int p = (rank + tp - i) % tp;  // the peer that pushes to us first
+      wc.wait.flag = my_ready + g.peers[p];
+      wc.wait.peer = p;
+      wc.wait.target = num_chunks == 0 ? base + kMaxChunks : base + c + 1;
+      if (num_chunks == 0) {
+        JAXFLUX_CUDA(LaunchWait(wc.wait, stream));
+        continue;
+      }
+      const Chunk& ch = chunks[c];
+      wc.dst = out_base + p * row_bytes + ch.row0 * out_pitch + ch.col0;
+      wc.src = my_arena + slot_base + p * slot_bytes + ch.row0 * row_bytes + ch.col0;
+      wc.rows = ch.rows;
+      wc.cols = ch.cols;
+      JAXFLUX_CUDA(LaunchWaitCopy(wc, max_blocks, stream));
       if (mark_landed) {
-        JAXFLUX_CUDA(LaunchMark(MarkParams{my_landed + g.peers[p], base + c + 1}, res->side));
+        JAXFLUX_CUDA(LaunchMark(MarkParams{my_landed + g.peers[p], base + c + 1}, stream));
       }
     }
   }
+  // The push reads x: XLA's stream must not move on (and free or reuse x) before it is done.
   JAXFLUX_CUDA(cudaEventRecord(res->join, res->side));
   JAXFLUX_CUDA(cudaStreamWaitEvent(stream, res->join, 0));
 

@@ -58,6 +58,21 @@ struct MarkParams {
   uint64_t value;
 };
 
+// Bounded wait on a local flag (one-thread kernel, skipped when `flag` is null), then an SM
+// copy of a 2D piece: `rows` rows of `cols` bytes from src (pitch src_pitch) to dst (pitch
+// dst_pitch). Used by the receiver of the push all-gather to move a landed chunk from its
+// receive slot into `out`. On timeout the error is recorded (the copy still runs; the call's
+// results are invalid anyway).
+struct WaitCopyParams {
+  WaitParams wait;        // wait.flag == nullptr: copy at once
+  char* dst;
+  const char* src;
+  size_t dst_pitch, src_pitch, rows, cols;
+};
+
+// `max_blocks` caps the copy grid.
+cudaError_t LaunchWaitCopy(const WaitCopyParams& params, int max_blocks, cudaStream_t stream);
+
 cudaError_t LaunchRelease(const ReleaseParams& params, cudaStream_t stream);
 cudaError_t LaunchWait(const WaitParams& params, cudaStream_t stream);
 cudaError_t LaunchMark(const MarkParams& params, cudaStream_t stream);

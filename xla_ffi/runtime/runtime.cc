@@ -293,6 +293,7 @@ cudaError_t InitDeviceResources(int ordinal, std::string* failed_call) {
     *failed_call = #call;              \
     return err;                        \
   }
+  JAXFLUX_INIT(cudaDeviceGetAttribute(&r.sm_count, cudaDevAttrMultiProcessorCount, ordinal));
   JAXFLUX_INIT(cudaStreamCreateWithFlags(&r.side, cudaStreamNonBlocking));
   JAXFLUX_INIT(cudaEventCreateWithFlags(&r.fork, cudaEventDisableTiming));
   JAXFLUX_INIT(cudaEventCreateWithFlags(&r.join, cudaEventDisableTiming));
@@ -405,7 +406,7 @@ bool DiscoverGroup(cudaStream_t stream, int ordinal, const int32_t* rank_info_de
   }
   // Keyed by the *set* of devices, not their rank order: programs that rank the same devices
   // differently (permuted meshes) then share one epoch sequence and one set of flags (indexed by
-  // source device), which keeps the staging-slot argument of docs/runtime.md valid across them.
+  // source device), which keeps the receive-slot argument of docs/runtime.md valid across them.
   std::vector<int> key(peers.begin(), peers.begin() + tp);
   std::sort(key.begin(), key.end());
   int channel;

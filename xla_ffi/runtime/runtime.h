@@ -16,7 +16,7 @@ inline constexpr int kMaxRanks = 8;         // ranks of one group (NVLink domain
 inline constexpr int kMaxChannels = 1024;   // distinct groups (device sets) ever seen
 inline constexpr int kMaxGenerations = 64;  // workspace growths over a process lifetime
 
-// Makes every device in `ordinals` hold an arena of at least `bytes` (the call's staging
+// Makes every device in `ordinals` hold an arena of at least `bytes` (the call's receive-slot
 // needs) in the current workspace generation; grows (new generation, old arenas kept alive)
 // when needed. Returns the generation to bake into the traced call, or nullopt with `error`.
 std::optional<int64_t> EnsureWorkspace(const std::vector<int>& ordinals, size_t bytes,

@@ -31,8 +31,9 @@ struct DeviceResources {
   cudaStream_t side = nullptr;
   cudaEvent_t fork = nullptr;
   cudaEvent_t join = nullptr;
-  uint64_t* ready_flags = nullptr;   // [kMaxChannels][kMaxDevices]: device d staged chunk c
+  uint64_t* ready_flags = nullptr;   // [kMaxChannels][kMaxDevices]: device d pushed chunk c here
   uint64_t* landed_flags = nullptr;  // [kMaxChannels][kMaxDevices]: chunk of device d is in out
+  int sm_count = 1;                  // caps the receiver's spinning copy grids
 };
 
 // Resources of `ordinal` (created by EnsureWorkspace at trace time).
