@@ -1080,6 +1080,9 @@ def run(argv: list[str] | None = None, log=print) -> dict:
   result: dict[str, Any] = {
       "command": "python -m jaxflux.bench " + shlex.join(argv),
       "argv": argv,
+      # Knobs that change what is measured (JAXFLUX_AG_ABLATE, JAXFLUX_AG_MAX_CHUNKS, XLA_FLAGS).
+      "env": {k: v for k, v in sorted(os.environ.items())
+              if k.startswith("JAXFLUX_") or k == "XLA_FLAGS"},
       "date": stamp.isoformat().replace("+00:00", "Z"),
       "machine": machine_info(),
       "versions": versions(),

@@ -75,6 +75,25 @@ size_t MaxChunks() {
   return value;
 }
 
+// Measurement knob, JAXFLUX_AG_ABLATE=push,local,recv: skip those stages (the flags still move,
+// so nothing hangs, but the output is WRONG). Timing a run with a stage left out and taking the
+// difference places the time without a profiler (the GPU machine has no nsys).
+struct Ablation {
+  bool push = false, local = false, recv = false;
+};
+const Ablation& Ablate() {
+  static const Ablation value = [] {
+    Ablation a;
+    const char* env = std::getenv("JAXFLUX_AG_ABLATE");
+    const std::string s = env ? env : "";
+    a.push = s.find("push") != std::string::npos;
+    a.local = s.find("local") != std::string::npos;
+    a.recv = s.find("recv") != std::string::npos;
+    return a;
+  }();
+  return value;
+}
+
 // Splits [rows x row_bytes] into at most MaxChunks() 2D pieces of about kChunkTargetBytes.
 int MakeChunks(size_t rows, size_t row_bytes, std::array<Chunk, kMaxChunks>* chunks) {
   const size_t total = rows * row_bytes;
@@ -195,8 +214,9 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
     rel.flags[rel.num_flags++] =
         peer_res[p]->ready_flags + static_cast<size_t>(g.channel) * kMaxDevices + ordinal;
   }
+  const Ablation& ablate = Ablate();
   for (int c = 0; c < num_chunks; ++c) {
-    for (int i = 1; i < tp; ++i) {
+    for (int i = 1; i < tp && !ablate.push; ++i) {
       const int p = (rank + i) % tp;  // rotated so ranks start on different peers
       JAXFLUX_CUDA(Copy2D(peer_arena[p] + slot_base + rank * slot_bytes, row_bytes, x_base,
                           row_bytes, chunks[c], res->side));
@@ -222,7 +242,7 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
   wc.wait.error = err_rec;
   wc.dst_pitch = out_pitch;
   wc.src_pitch = row_bytes;
-  if (shard_bytes > 0) {
+  if (shard_bytes > 0 && !ablate.local) {
     wc.wait.flag = nullptr;
     wc.dst = out_base + rank * row_bytes;
     wc.src = x_base;
@@ -247,7 +267,7 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
       const Chunk& ch = chunks[c];
       wc.dst = out_base + p * row_bytes + ch.row0 * out_pitch + ch.col0;
       wc.src = my_arena + slot_base + p * slot_bytes + ch.row0 * row_bytes + ch.col0;
-      wc.rows = ch.rows;
+      wc.rows = ablate.recv ? 0 : ch.rows;  // rows = 0: wait only
       wc.cols = ch.cols;
       JAXFLUX_CUDA(LaunchWaitCopy(wc, max_blocks, stream));
       if (mark_landed) {
