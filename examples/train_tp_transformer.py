@@ -5,6 +5,12 @@ Run (CPU with 8 virtual devices, or all local GPUs)::
     PYTHONPATH=. python examples/train_tp_transformer.py            # tp = all devices
     PYTHONPATH=. python examples/train_tp_transformer.py --tp 4     # 2-way dp x 4-way tp
 
+Or as one of several processes joined by ``jax.distributed`` (one process per GPU, or k CPU
+devices each), which ``examples/launch_multiprocess.py`` starts for you on one machine::
+
+    python examples/train_tp_transformer.py --distributed 127.0.0.1:1234,2,0 --cpu-devices 4 &
+    python examples/train_tp_transformer.py --distributed 127.0.0.1:1234,2,1 --cpu-devices 4
+
 The model is a GPT-style decoder: token embedding, ``--layers`` blocks of
 [RMSNorm -> causal multi-head self-attention -> residual, RMSNorm -> MLP -> residual],
 a final RMSNorm and an LM head. It trains with optax AdamW on synthetic data whose next
@@ -13,8 +19,8 @@ At the end the same model is rebuilt with ``flax.linen.Dense`` (same seed, hence
 parameters), trained on the same batches, and the two loss curves are compared: the script
 exits non-zero when they differ beyond ``--rtol``.
 
-Mesh: all local devices as ``('dp', 'tp')`` with ``tp = --tp`` (default: every device) and
-``dp = devices // tp``. dp is an Explicit mesh axis (the batch sharding is part of the
+Mesh: all devices (of every process) as ``('dp', 'tp')`` with ``tp = --tp`` (default: every
+device) and ``dp = devices // tp``. dp is an Explicit mesh axis (the batch sharding is part of the
 array types), tp an Auto one (placed by sharding constraints and by jaxflux.Dense). Sharding
 layout (Megatron-style sequence parallelism; B = batch, T = sequence, C = hidden, H = heads,
 D = head dim, F = MLP width, V = vocab):
@@ -47,6 +53,7 @@ after the column matmul needs no communication.
 from __future__ import annotations
 
 import argparse
+import builtins
 import functools
 import math
 import os
@@ -56,8 +63,9 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-# Must run before any JAX backend is initialised. The setting only affects the CPU client: on a
-# GPU machine jax.devices() still returns the GPUs, so it is harmless there.
+# Must run before any JAX backend is initialised (--cpu-devices overrides it, also before). The
+# setting only affects the CPU client: on a GPU machine jax.devices() still returns the GPUs,
+# so it is harmless there.
 if __name__ == "__main__" and os.environ.get("JAX_PLATFORMS", "") in ("", "cpu"):
     try:
         jax.config.update("jax_num_cpu_devices", 8)
@@ -271,6 +279,17 @@ def place(params, specs, mesh):
     return jax.device_put(params, shardings), shardings
 
 
+def host_copy(tree, mesh):
+    """NumPy copies of a tree of global arrays, in every process.
+
+    Under jax.distributed a process holds only its devices' shards, which jax.device_get
+    refuses; one jitted identity to replicated outputs gathers the whole tree at once.
+    """
+    if jax.process_count() > 1:
+        tree = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))(tree)
+    return jax.device_get(tree)
+
+
 def train(model: nn.Module, params, shardings, tx, batches: Sequence[np.ndarray], mesh,
           label: str, log: Callable[[str], None]) -> tuple[list[float], float]:
     """Trains for len(batches) steps; returns (losses, tokens/s excluding the first step)."""
@@ -288,7 +307,8 @@ def train(model: nn.Module, params, shardings, tx, batches: Sequence[np.ndarray]
     losses, start = [], None
     tokens_per_step = batches[0].shape[0] * (batches[0].shape[1] - 1)
     for i, host_batch in enumerate(batches):
-        # Split on the host: [B, T+1] would not divide over tp.
+        # Split on the host: [B, T+1] would not divide over tp. Under jax.distributed every
+        # process passes the same (deterministic) batch and keeps its own devices' shards.
         inputs, targets = jax.device_put((host_batch[:, :-1], host_batch[:, 1:]), token_sharding)
         params, opt_state, loss = step(params, opt_state, inputs, targets)
         losses.append(float(loss))  # waits for the step
@@ -326,6 +346,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="max |loss difference| / |loss| between the runs (default: 1e-4 for "
                         "float32 on CPU, 2e-2 for float32 on GPU (TF32 matmuls), 5e-2 bfloat16)")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
+    p.add_argument("--distributed", metavar="COORD,NUM,ID", nargs="?", const="auto",
+                   help="join jax.distributed as process ID of NUM, coordinator at COORD "
+                        "(host:port, process 0's); bare --distributed auto-detects them "
+                        "(SLURM, Open MPI). examples/launch_multiprocess.py sets this")
+    p.add_argument("--cpu-devices", type=int, default=None,
+                   help="CPU devices of this process (default 8; ignored on GPU)")
     args = p.parse_args(argv)
     if args.hidden % args.heads:
         p.error(f"--hidden {args.hidden} must be divisible by --heads {args.heads}")
@@ -338,9 +364,31 @@ def default_rtol(dtype: str, platform: str) -> float:
     return 1e-4 if platform == "cpu" else 2e-2
 
 
+def init_process(args: argparse.Namespace) -> None:
+    """Per-process JAX setup from the flags; must run before the first JAX operation."""
+    if args.cpu_devices is not None:
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    if args.distributed == "auto":
+        jax.distributed.initialize()
+    elif args.distributed:
+        try:
+            coordinator, num, pid = args.distributed.split(",")
+            num, pid = int(num), int(pid)
+        except ValueError:
+            raise ValueError(f"--distributed {args.distributed!r}: expected COORD,NUM,ID, e.g. "
+                             "127.0.0.1:1234,2,0") from None
+        # Explicit values: no cluster auto-detection (a SLURM allocation around a local
+        # launch would otherwise override them).
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num,
+                                   process_id=pid, cluster_detection_method="deactivate")
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     """Runs the example; returns a dict with both loss curves and the comparison verdict."""
     args = parse_args(argv)
+    init_process(args)
+    # Every process runs the same program; only process 0 reports.
+    print = builtins.print if jax.process_index() == 0 else (lambda *a, **k: None)
     log = (lambda s: None) if args.quiet else print
     mesh = make_mesh(args.tp)
     dp, tp = mesh.shape["dp"], mesh.shape["tp"]
@@ -350,8 +398,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             raise ValueError(f"{name} {value} must be divisible by tp={tp}")
     if args.batch % dp:
         raise ValueError(f"--batch {args.batch} must be divisible by dp={dp}")
-    print(f"mesh: dp={dp} x tp={tp} on {platform} ({mesh.devices.size} devices), "
-          f"dtype={args.dtype}, impl={args.impl}")
+    print(f"mesh: dp={dp} x tp={tp} on {platform} ({mesh.devices.size} devices, "
+          f"{jax.process_count()} process(es)), dtype={args.dtype}, impl={args.impl}")
 
     def build(dense):
         return Transformer(vocab=args.vocab, hidden=args.hidden, heads=args.heads,
@@ -368,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     with jax.set_mesh(mesh):
         model = build(jaxflux_dense(args.impl))
         params, specs = init_params(model, args.seed, example)
-        host_params = jax.device_get(params)  # training donates the device copy
+        host_params = host_copy(params, mesh)  # training donates the device copy
         print(f"params: {sum(x.size for x in jax.tree.leaves(host_params)):,}")
         params, shardings = place(params, specs, mesh)
         losses, rate = train(model, params, shardings, tx, batches, mesh, "jaxflux", log)
@@ -379,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if not args.no_compare:
             ref_model = build(flax_dense)
             ref_params, _ = init_params(ref_model, args.seed, example)
-            check_same_params(host_params, jax.device_get(ref_params))
+            check_same_params(host_params, host_copy(ref_params, mesh))
             # The reference has no partitioning metadata: give it the jaxflux layout.
             ref_params, _ = place(ref_params, specs, mesh)
             ref_losses, ref_rate = train(ref_model, ref_params, shardings, tx, batches, mesh,

@@ -40,7 +40,8 @@ def cuda_built() -> bool:
 @functools.cache
 def _gpu_devices() -> tuple:
   try:
-    return tuple(jax.devices("gpu"))
+    # Local only: under jax.distributed, jax.devices() also lists other processes' GPUs.
+    return tuple(jax.local_devices(backend="gpu"))
   except RuntimeError:
     return ()
 

@@ -86,7 +86,11 @@ def platform_reason() -> str | None:
     return ("this jaxflux build has no CUDA kernels (installed without nvcc, or with "
             "JAXFLUX_CUDA=OFF); reinstall on a machine with the CUDA toolkit.")
   if not _runtime.has_cuda():
-    return "no CUDA GPU is visible to JAX (jax.devices('gpu') is empty)."
+    return "no CUDA GPU is visible to JAX (jax.local_devices(backend='gpu') is empty)."
+  if jax.process_count() > 1:
+    return ("the fused kernels run with one process driving all local GPUs; this process is one "
+            f"of {jax.process_count()} under jax.distributed, and the CUDA IPC workspace for one "
+            "process per GPU is not in this version yet.")
   return None
 
 

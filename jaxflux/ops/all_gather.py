@@ -15,6 +15,7 @@ import numpy as np
 from jax import lax
 
 from jaxflux import _runtime
+from jaxflux.ops import _common
 
 IMPLS = ("fused", "xla")
 
@@ -93,9 +94,10 @@ def all_gather(x, axis_name: str, *, impl: str = "fused", _debug_skip_signal_ran
                      f"over a mesh with an axis named {axis_name!r}.") from e
   if tp == 1:
     return x
-  if not _runtime.has_cuda():
-    raise RuntimeError("all_gather(impl='fused'): jaxflux was built without CUDA or no GPU is "
-                       "visible; use impl='xla'.")
+  reason = _common.platform_reason()
+  if reason is not None:
+    raise _common.FusedKernelUnavailableError(f"all_gather(impl='fused'): {reason} Use "
+                                              "impl='xla'.")
   info, num_groups = rank_info(axis_name)
   shard_bytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
   # Receive slots [epoch parity][source rank], 256-byte aligned (peers push into them).
