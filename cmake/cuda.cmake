@@ -28,8 +28,10 @@ file(GLOB JAXFLUX_CUDA_SOURCES CONFIGURE_DEPENDS
 add_library(jaxflux_cuda STATIC ${JAXFLUX_CUDA_SOURCES})
 set_target_properties(jaxflux_cuda PROPERTIES POSITION_INDEPENDENT_CODE ON
                                               CUDA_SEPARABLE_COMPILATION OFF)
+# tools/util/include holds cutlass/util/packed_stride.hpp (stride helpers of the CUTLASS 3 API).
 target_include_directories(jaxflux_cuda PUBLIC "${CMAKE_CURRENT_SOURCE_DIR}"
-                                               "${XLA_FFI_INCLUDE_DIR}" "${CUTLASS_INCLUDE_DIR}")
+                                               "${XLA_FFI_INCLUDE_DIR}" "${CUTLASS_INCLUDE_DIR}"
+                                               "${CUTLASS_INCLUDE_DIR}/../tools/util/include")
 target_compile_options(jaxflux_cuda PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${JAXFLUX_CUDA_FLAGS}>)
 # Static cudart: the module imports on machines without a CUDA runtime installed; the driver
 # (libcuda) is only needed once a GPU path runs.

@@ -60,19 +60,21 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 OPS = ("all_gather", "ag_gemm", "gemm_rs")
 AXIS = "tp"
-DEFAULT_VARIANTS = ("gemm", "comm", "xla", "xla_windowed", "pallas", "jaxflux", "auto")
+DEFAULT_VARIANTS = ("gemm", "gemm_only", "comm", "xla", "xla_windowed", "pallas", "jaxflux", "auto")
 EXTRA_VARIANTS = ("xla_gspmd",)
 # Variants that apply to each op, in the order they run (xla first: it is the reference output).
 OP_VARIANTS = {
     "all_gather": ("xla", "jaxflux"),
-    "ag_gemm": ("xla", "gemm", "comm", "pallas", "jaxflux", "auto", "xla_windowed", "xla_gspmd"),
-    "gemm_rs": ("xla", "gemm", "comm", "jaxflux", "auto", "xla_windowed", "xla_gspmd"),
+    "ag_gemm": ("xla", "gemm", "gemm_only", "comm", "pallas", "jaxflux", "auto", "xla_windowed",
+                "xla_gspmd"),
+    "gemm_rs": ("xla", "gemm", "gemm_only", "comm", "jaxflux", "auto", "xla_windowed",
+                "xla_gspmd"),
 }
 # Variants whose output is the op's output (checked against `xla`).
 OUTPUT_VARIANTS = ("xla", "pallas", "jaxflux", "auto", "xla_windowed", "xla_gspmd")
 WINDOWED_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0",
                   "--xla_gpu_multi_streamed_windowed_einsum=true")
-DISPLAY_ORDER = ("gemm", "comm", "xla", "xla_windowed", "pallas", "jaxflux", "auto", "xla_gspmd")
+DISPLAY_ORDER = ("gemm", "gemm_only", "comm", "xla", "xla_windowed", "pallas", "jaxflux", "auto", "xla_gspmd")
 CHILD_MARKER = "JAXFLUX_BENCH_CHILD_JSON:"
 # Above any device memory's bandwidth today (H200: 4.8 TB/s): a sanity floor, see `_floor_ms`.
 FLOOR_BANDWIDTH = 10e12
@@ -309,6 +311,14 @@ def make_variant(name: str, row: Row) -> Variant:
     return Variant(name, _jaxflux_op(op, "fused"), ("x",))
   if name == "gemm":
     return Variant(name, jnp.dot, ("x_full", "w") if op == "ag_gemm" else ("x", "w"))
+  if name == "gemm_only":  # the fused kernels' own GEMM with communication off, same shape
+    from jaxflux.ops import gemm as gemm_module
+    try:
+      probe = jax.ShapeDtypeStruct((8, 8), row.dtype)
+      jax.eval_shape(gemm_module.gemm, probe, probe)
+    except Exception as e:  # noqa: BLE001 - recorded as the reason the variant is null
+      raise Unavailable(f"{type(e).__name__}: {e}") from e
+    return Variant(name, gemm_module.gemm, ("x_full", "w") if op == "ag_gemm" else ("x", "w"))
   if name == "comm":
     if op == "ag_gemm":
       return Variant(name, lambda x: lax.all_gather(x, AXIS, axis=0, tiled=True), ("x",))
@@ -679,7 +689,7 @@ def summarize_row(row: Row, requested: list[str], samples: dict, errors: dict, r
       "ms": ms, "spread_ms": spread,
       "samples_ms": {v: s for v, s in samples.items()},
   }
-  gemm_like = ("gemm", "xla", "xla_windowed", "xla_gspmd", "pallas", "jaxflux", "auto")
+  gemm_like = ("gemm", "gemm_only", "xla", "xla_windowed", "xla_gspmd", "pallas", "jaxflux", "auto")
   if row.op == "all_gather":
     record["gbps"] = {v: (None if t is None else row.comm_bytes_per_device / t / 1e6)
                       for v, t in ms.items()}
@@ -689,6 +699,8 @@ def summarize_row(row: Row, requested: list[str], samples: dict, errors: dict, r
     record["gbps"] = {"comm": (None if ms.get("comm") is None
                                else row.comm_bytes_per_device / ms["comm"] / 1e6)}
   record["speedup_vs_xla"] = _ratio(ms.get("xla"), ms.get("jaxflux"))
+  if row.op != "all_gather":  # > 1: the fused kernels' GEMM is faster than XLA's dot (cuBLAS)
+    record["gemm_only_vs_gemm"] = _ratio(ms.get("gemm"), ms.get("gemm_only"))
   record["speedup_vs_xla_all"] = {v: _ratio(ms.get("xla"), ms.get(v)) for v in ms
                                   if v not in ("xla", "comm")}
   if row.op != "all_gather":
@@ -711,9 +723,9 @@ def _floor_ms(row: Row, variant: str) -> float:
   elif variant == "comm":
     elements = M * K if row.op == "ag_gemm" else M * N + m * N
   elif row.op == "ag_gemm":
-    elements = (M if variant == "gemm" else m) * K + K * n + M * n
+    elements = (M if variant in ("gemm", "gemm_only") else m) * K + K * n + M * n
   else:
-    elements = M * k + k * N + (M if variant == "gemm" else m) * N
+    elements = M * k + k * N + (M if variant in ("gemm", "gemm_only") else m) * N
   return elements * row.itemsize / FLOOR_BANDWIDTH * 1e3
 
 
@@ -901,9 +913,9 @@ def format_table(result: dict) -> str:
                    f"{_fmt(r['gbps'].get('jaxflux'), '.1f'):>9}"
                    f"{_fmt(r['speedup_vs_xla'], '.3f'):>9}")
   else:
-    cols = [v for v in ("gemm", "comm", "xla", "xla_windowed", "pallas", "jaxflux", "auto",
+    cols = [v for v in ("gemm", "gemm_only", "comm", "xla", "xla_windowed", "pallas", "jaxflux", "auto",
                         "xla_gspmd") if v in rows[0]["ms"]]
-    short = {"xla_windowed": "xla_win", "xla_gspmd": "gspmd"}
+    short = {"xla_windowed": "xla_win", "xla_gspmd": "gspmd", "gemm_only": "gemm_jf"}
     head = f"{'name':<16}{'M':>7}{'K':>7}{'N':>7}" + "".join(
         f"{short.get(c, c):>9}" for c in cols) + f"{'TF/s jf':>9}{'spd':>7}{'E jf':>7}{'E xla':>7}"
     lines.append(head + "   (ms per call; E = overlap efficiency)")

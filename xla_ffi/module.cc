@@ -12,6 +12,7 @@
 
 #ifdef JAXFLUX_WITH_CUDA
 #include "xla_ffi/ffi/all_gather.h"
+#include "xla_ffi/ffi/gemm.h"
 #include "xla_ffi/runtime/runtime.h"
 #endif
 
@@ -44,6 +45,7 @@ NB_MODULE(_jaxflux, m) {
     stateful["execute"] = Capsule(JaxfluxAllGatherExecute);
     registrations["jaxflux_all_gather"] = stateful;
     registrations["jaxflux_all_gather_site_cached"] = Capsule(JaxfluxAllGatherSiteCached);
+    registrations["jaxflux_gemm"] = Capsule(JaxfluxGemm);
 #endif
     return registrations;
   }, "FFI targets by name (PyCapsules or stage dicts), empty when built without CUDA.");

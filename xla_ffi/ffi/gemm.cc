@@ -1,0 +1,88 @@
+// D[..., M, N] = A[..., M, K] · B[K, N] with the sm90 CUTLASS GEMM (xla_ffi/kernels/gemm_sm90.h).
+// Leading axes of A fold into M (row-major, so they are contiguous).
+#include "xla_ffi/ffi/gemm.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/kernels/gemm_sm90.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxflux {
+namespace {
+
+ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
+                       ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d) {
+  const auto dtype = a.element_type();
+  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument("jaxflux gemm: inputs must be bfloat16 or float16");
+  }
+  if (b.element_type() != dtype || d->element_type() != dtype) {
+    return ffi::Error::InvalidArgument("jaxflux gemm: a, b and the output need one dtype");
+  }
+  const auto a_dims = a.dimensions();
+  const auto b_dims = b.dimensions();
+  if (a_dims.size() < 2 || b_dims.size() != 2 || a_dims.back() != b_dims[0]) {
+    return ffi::Error::InvalidArgument("jaxflux gemm: expected a [..., M, K] and b [K, N]");
+  }
+  const int64_t k = b_dims[0];
+  const int64_t n = b_dims[1];
+  const int64_t m = k == 0 ? 0 : static_cast<int64_t>(a.element_count()) / k;
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  if (m > kIntMax || n > kIntMax || k > kIntMax) {
+    return ffi::Error::InvalidArgument("jaxflux gemm: a dimension exceeds 2^31-1");
+  }
+  if (k % 8 || n % 8) {
+    return ffi::Error::InvalidArgument("jaxflux gemm: K and N must be multiples of 8 (16-byte "
+                                       "rows for TMA); got K=" + std::to_string(k) +
+                                       ", N=" + std::to_string(n));
+  }
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {  // empty contraction: D = 0
+    if (cudaError_t err = cudaMemsetAsync(d->untyped_data(), 0, d->size_bytes(), stream);
+        err != cudaSuccess) {
+      return ffi::Error::Internal(std::string("jaxflux gemm: cudaMemsetAsync failed: ") +
+                                  cudaGetErrorString(err));
+    }
+    return ffi::Error::Success();
+  }
+  const GemmDtype which = dtype == ffi::DataType::BF16 ? GemmDtype::kBF16 : GemmDtype::kF16;
+  const GemmProblem problem{a.untyped_data(), b.untyped_data(), d->untyped_data(),
+                            static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+                            device};
+  void* workspace = nullptr;
+  if (const size_t bytes = GemmSm90WorkspaceBytes(which, problem); bytes > 0) {
+    auto allocation = scratch.Allocate(bytes, 256);
+    if (!allocation.has_value()) {
+      return ffi::Error::Internal("jaxflux gemm: could not allocate " +
+                                           std::to_string(bytes) + " bytes of scratch");
+    }
+    workspace = *allocation;
+  }
+  if (const char* failure = GemmSm90(which, problem, workspace, stream)) {
+    return ffi::Error::Internal(std::string("jaxflux gemm: ") + failure);
+  }
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return ffi::Error::Internal(std::string("jaxflux gemm: kernel launch failed: ") +
+                                cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxflux
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxfluxGemm, jaxflux::GemmExecute,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this device
+        .Ctx<xla::ffi::DeviceOrdinal>()                 // CUDA ordinal (SM count for the grid)
+        .Ctx<xla::ffi::ScratchAllocator>()              // CUTLASS workspace, if any
+        .Arg<xla::ffi::AnyBuffer>()                     // a: [..., M, K]
+        .Arg<xla::ffi::AnyBuffer>()                     // b: [K, N]
+        .Ret<xla::ffi::AnyBuffer>());                   // d: [..., M, N]

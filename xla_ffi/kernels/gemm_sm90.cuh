@@ -1,0 +1,101 @@
+// The CUTLASS 3 pieces of the sm90 GEMM, assembled once per element type (one .cu per type so
+// the heavy instantiations compile in parallel).
+//
+// Config: warp-specialized cooperative mainloop with TMA, 128x256x64 tiles, 2x1 clusters,
+// persistent tile scheduler; the measured stock config closest to cuBLAS on the benchmark shapes
+// (DESIGN.md: 769 vs 808 TFLOP/s on 8192x14336x8192). Tuning per shape comes with the fused
+// kernel (issue 4).
+#pragma once
+
+#include <mutex>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+#include "xla_ffi/kernels/gemm_sm90.h"
+
+namespace jaxflux::gemm_sm90 {
+
+template <class Element>
+struct Config {
+  using Layout = cutlass::layout::RowMajor;  // A [M,K], B [K,N] (N-major B), D [M,N]
+  static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte accesses
+  using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+
+  // No C operand (ElementC = void): D = A·B, nothing read back.
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, Layout, kAlign,
+      Element, Layout, kAlign, cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, Layout, kAlign, Element,
+      Layout, kAlign, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
+                                                      Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+// SM counts per device, read once (cudaGetDeviceProperties-class queries cost milliseconds).
+inline int SmCount(int device) {
+  static std::mutex mu;
+  static int counts[64] = {};
+  std::lock_guard<std::mutex> lock(mu);
+  if (device < 0 || device >= 64) return 0;
+  if (counts[device] == 0) {
+    cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device);
+  }
+  return counts[device];
+}
+
+template <class Element>
+typename Config<Element>::Gemm::Arguments MakeArguments(const GemmProblem& p) {
+  using C = Config<Element>;
+  using Gemm = typename C::Gemm;
+  auto stride_a = cutlass::make_cute_packed_stride(typename Gemm::GemmKernel::StrideA{},
+                                                   cute::make_shape(p.m, p.k, 1));
+  auto stride_b = cutlass::make_cute_packed_stride(typename Gemm::GemmKernel::StrideB{},
+                                                   cute::make_shape(p.n, p.k, 1));
+  auto stride_d = cutlass::make_cute_packed_stride(typename Gemm::GemmKernel::StrideD{},
+                                                   cute::make_shape(p.m, p.n, 1));
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = p.device;
+  hw.sm_count = SmCount(p.device);
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {p.m, p.n, p.k, 1},
+      {static_cast<const Element*>(p.a), stride_a, static_cast<const Element*>(p.b), stride_b},
+      {{1.0f, 0.0f}, nullptr, stride_d, static_cast<Element*>(p.d), stride_d},
+      hw};
+  return args;
+}
+
+template <class Element>
+size_t WorkspaceBytes(const GemmProblem& p) {
+  return Config<Element>::Gemm::get_workspace_size(MakeArguments<Element>(p));
+}
+
+template <class Element>
+const char* Run(const GemmProblem& p, void* workspace, cudaStream_t stream) {
+  typename Config<Element>::Gemm gemm;
+  auto args = MakeArguments<Element>(p);
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+    return "CUTLASS cannot implement this problem (K and N must be multiples of 8)";
+  }
+  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) {
+    return "CUTLASS GEMM initialize failed";
+  }
+  if (gemm.run(stream) != cutlass::Status::kSuccess) return "CUTLASS GEMM launch failed";
+  return nullptr;
+}
+
+}  // namespace jaxflux::gemm_sm90

@@ -1,0 +1,30 @@
+// GEMM-only mode of the fused kernels' GEMM: D[M,N] = A[M,K] · B[K,N], row-major, bf16 or fp16
+// in and out, fp32 accumulation, on Hopper (sm_90a). Plain C++ interface: the FFI handler and
+// nanobind never see CUTLASS.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace jaxflux {
+
+enum class GemmDtype { kBF16, kF16 };
+
+struct GemmProblem {
+  const void* a;  // [m, k] row-major
+  const void* b;  // [k, n] row-major
+  void* d;        // [m, n] row-major
+  int m, n, k;
+  int device;     // CUDA ordinal (for the SM count the persistent scheduler sizes its grid by)
+};
+
+// Bytes of scratch the kernel needs for this problem (0 for the current config).
+size_t GemmSm90WorkspaceBytes(GemmDtype dtype, const GemmProblem& problem);
+
+// Launches on `stream`. Returns a static string describing the failure, or nullptr.
+const char* GemmSm90(GemmDtype dtype, const GemmProblem& problem, void* workspace,
+                     cudaStream_t stream);
+
+}  // namespace jaxflux
