@@ -3,7 +3,7 @@
 Ops (per-device view, inside `jax.shard_map`): `all_gather_matmul`, `matmul_reduce_scatter`.
 Flax layers (global view, under `jit` with a mesh): `jaxflux.Dense` (Linen), `jaxflux.nnx.Linear`.
 """
-from jaxflux._runtime import configure, has_cuda
+from jaxflux._runtime import check_errors, configure, has_cuda
 from jaxflux.ops import FusedKernelUnavailableError, all_gather_matmul, matmul_reduce_scatter
 
 __version__ = "0.1.0"
@@ -12,6 +12,7 @@ __all__ = [
     "Dense",
     "FusedKernelUnavailableError",
     "all_gather_matmul",
+    "check_errors",
     "configure",
     "has_cuda",
     "matmul_reduce_scatter",
