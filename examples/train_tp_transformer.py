@@ -17,7 +17,25 @@ a final RMSNorm and an LM head. It trains with optax AdamW on synthetic data who
 token is predictable from context, so the loss clearly goes down within a few dozen steps.
 At the end the same model is rebuilt with ``flax.linen.Dense`` (same seed, hence the same
 parameters), trained on the same batches, and the two loss curves are compared: the script
-exits non-zero when they differ beyond ``--rtol``.
+exits non-zero when they differ beyond ``--rtol`` (``--no-compare`` skips that reference run).
+
+Modes (``--mode``), for comparing step times (issue 7)::
+
+    --mode jaxflux    the model from jaxflux.Dense with --impl (default auto)
+    --mode xla        the same model with impl="xla" (lax.all_gather / psum_scatter + dot)
+    --mode windowed   the model from plain flax.linen.Dense under GSPMD (no shard_map), with
+                      --xla_gpu_threshold_for_windowed_einsum_mib=0
+                      --xla_gpu_multi_streamed_windowed_einsum=true added to XLA_FLAGS
+                      (XLA's own collective matmul; no effect on CPU; in this mode the
+                      flax reference runs under the same flags)
+
+Each run reports its step time (median and min over the steps after ``--warmup-steps``,
+default 2; a step is timed from its batch's transfer to its loss on the host), tokens/s from
+the median and, where the peak is known (``--peak-tflops`` per device, default 989 on H100 /
+H200 in bfloat16), MFU with model FLOPs per token = 6 x non-embedding params + 12 x layers x
+hidden x seq. ``--print-hlo-collectives`` compiles the train step ahead of time and prints the
+all-gather / reduce-scatter / all-reduce / custom-call counts (with custom-call targets) of
+its optimized HLO.
 
 Mesh: all devices (of every process) as ``('dp', 'tp')`` with ``tp = --tp`` (default: every
 device) and ``dp = devices // tp``. dp is an Explicit mesh axis (the batch sharding is part of the
@@ -45,9 +63,12 @@ local work on whole heads / whole MLP units -> row ``jaxflux.Dense`` (GEMM +
 reduce-scatter back to token shards). Everything else (norms, residual adds, embedding
 lookup, LM head, loss) is local to a token shard, so those, plus the scalar loss mean, are
 the only collectives in the forward pass; the backward pass runs the mirrored ops and
-all-reduces the gradients of replicated params. The QKV features are laid out [H, 3, D] (and swiglu's fc1 features [F, 2]) so
-that a contiguous column shard holds complete heads (complete gate/up pairs): the reshape
-after the column matmul needs no communication.
+all-reduces the gradients of replicated params. The optimizer state is sharded like the
+params, so the update needs no collective: in the jaxflux and xla modes a step compiles to
+4 all-gathers and 4 reduce-scatters per layer, plus all-reduces (tests/test_example.py). The
+QKV features are laid out [H, 3, D] (and swiglu's fc1 features [F, 2]) so that a contiguous
+column shard holds complete heads (complete gate/up pairs): the reshape after the column
+matmul needs no communication.
 """
 
 from __future__ import annotations
@@ -72,6 +93,42 @@ if __name__ == "__main__" and os.environ.get("JAX_PLATFORMS", "") in ("", "cpu")
     except AttributeError:  # a JAX without that option: the older XLA flag does the same
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + " --xla_force_host_platform_device_count=8")
+
+# --mode windowed: XLA's windowed einsum (its own collective matmul: the all-gather / reduce-scatter
+# of a sharded dot split into a loop of collective-permutes overlapped with partial dots). XLA
+# reads XLA_FLAGS once, when JAX starts its backends, so the flag is looked at here, before
+# anything can start one. They are GPU flags, but the CPU build of jaxlib knows them too (XLA
+# aborts on unknown flags; these are accepted and have no effect on CPU), so they are added on
+# every platform.
+WINDOWED_EINSUM_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0",
+                         "--xla_gpu_multi_streamed_windowed_einsum=true")
+
+
+def add_windowed_einsum_flags() -> None:
+    """Appends WINDOWED_EINSUM_FLAGS to XLA_FLAGS (only effective before JAX starts a backend)."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f for f in WINDOWED_EINSUM_FLAGS
+                                                if f not in flags])
+
+
+def windowed_einsum_flags_set() -> bool:
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return all(f in flags for f in WINDOWED_EINSUM_FLAGS)
+
+
+def backends_started() -> bool:
+    try:
+        from jax._src import xla_bridge  # private; only used to warn
+        return xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):
+        return True
+
+
+if __name__ == "__main__":
+    _early = argparse.ArgumentParser(add_help=False)
+    _early.add_argument("--mode")
+    if _early.parse_known_args()[0].mode == "windowed":
+        add_windowed_einsum_flags()
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -264,12 +321,19 @@ def init_params(model: nn.Module, seed: int, example: jax.Array):
     """Returns (params, specs): the unboxed param arrays and their PartitionSpecs.
 
     Specs come from the partitioning metadata the layers attach: jaxflux.Dense's give the
-    column/row layouts, everything else is replicated. flax.linen.Dense attaches none, so
-    the reference run reuses the jaxflux model's specs.
+    column/row layouts, everything else is replicated. flax.linen.Dense attaches none (its
+    params come out replicated): models built from it take the jaxflux model's specs
+    (`param_specs`).
     """
     boxed = jax.jit(model.init)(jax.random.key(seed), example)["params"]
     specs = nn.get_partition_spec(boxed)
     return nn.unbox(boxed), specs
+
+
+def param_specs(model: nn.Module, seed: int, example: jax.Array):
+    """The PartitionSpecs `init_params` would return, without computing any params."""
+    abstract = jax.eval_shape(model.init, jax.random.key(seed), example)
+    return nn.get_partition_spec(abstract["params"])
 
 
 def place(params, specs, mesh):
@@ -290,12 +354,21 @@ def host_copy(tree, mesh):
     return jax.device_get(tree)
 
 
-def train(model: nn.Module, params, shardings, tx, batches: Sequence[np.ndarray], mesh,
-          label: str, log: Callable[[str], None]) -> tuple[list[float], float]:
-    """Trains for len(batches) steps; returns (losses, tokens/s excluding the first step)."""
-    token_sharding = NamedSharding(mesh, P("dp", "tp"))
-    opt_state = jax.jit(tx.init)(params)
-    opt_shardings = jax.tree.map(lambda a: a.sharding, opt_state)
+def optimizer_shardings(tx, params, shardings, mesh):
+    """Shardings of tx's state: the params' for the trees shaped like the params (AdamW's
+    moments), replicated for the rest (step counts).
+
+    Left to `jit(tx.init)`, the moments come out replicated (zeros do not inherit the params'
+    sharding over an Auto axis): every device would hold whole moments and every step would
+    all-gather the updated moments of each tp-sharded param.
+    """
+    return optax.tree_utils.tree_map_params(
+        tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, params), shardings,
+        transform_non_params=lambda _: NamedSharding(mesh, P()))
+
+
+def make_train_step(model: nn.Module, tx, shardings, opt_shardings):
+    """The jitted train step (params, opt_state, inputs, targets) -> (params, opt_state, loss)."""
 
     @functools.partial(jax.jit, donate_argnums=(0, 1),
                        out_shardings=(shardings, opt_shardings, None))
@@ -304,22 +377,117 @@ def train(model: nn.Module, params, shardings, tx, batches: Sequence[np.ndarray]
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    losses, start = [], None
-    tokens_per_step = batches[0].shape[0] * (batches[0].shape[1] - 1)
-    for i, host_batch in enumerate(batches):
+    return step
+
+
+def hlo_counts(hlo: str) -> dict:
+    """Collective and custom-call counts of optimized HLO text (see jaxflux._hlo)."""
+    from jaxflux._hlo import COLLECTIVES, count_collectives, custom_call_targets
+
+    counts = dict.fromkeys(("all-gather", "reduce-scatter", "all-reduce"), 0)
+    counts.update(count_collectives(hlo, COLLECTIVES))
+    targets = custom_call_targets(hlo)
+    counts["custom-call"] = sum(targets.values())
+    counts["custom_call_targets"] = targets
+    return counts
+
+
+def format_hlo_counts(counts: dict) -> str:
+    ops = ", ".join(f"{k} {v}" for k, v in counts.items() if k != "custom_call_targets")
+    targets = ", ".join(f"{k} {v}" for k, v in sorted(counts["custom_call_targets"].items()))
+    return f"{ops}\n  custom-call targets: {targets or '(none)'}"
+
+
+def train(model: nn.Module, params, shardings, tx, batches: Sequence[np.ndarray], mesh,
+          label: str, log: Callable[[str], None],
+          hlo_log: Callable[[str], None] | None = None) -> tuple[list[float], list[float], dict]:
+    """Trains for len(batches) steps; returns (losses, per-step wall seconds, HLO counts).
+
+    A step's time runs from putting its batch on the devices to its loss on the host (reading
+    the loss waits for the step), so steps do not overlap; step 0 includes compilation unless
+    `hlo_log` is given. With `hlo_log`, the step is compiled ahead of time, its optimized HLO's
+    collectives and custom calls are counted and passed to `hlo_log` (and returned; else {}),
+    and training runs that executable.
+    """
+    token_sharding = NamedSharding(mesh, P("dp", "tp"))
+    opt_shardings = optimizer_shardings(tx, params, shardings, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    step = make_train_step(model, tx, shardings, opt_shardings)
+
+    def device_batch(host_batch):
         # Split on the host: [B, T+1] would not divide over tp. Under jax.distributed every
         # process passes the same (deterministic) batch and keeps its own devices' shards.
-        inputs, targets = jax.device_put((host_batch[:, :-1], host_batch[:, 1:]), token_sharding)
-        params, opt_state, loss = step(params, opt_state, inputs, targets)
+        return jax.device_put((host_batch[:, :-1], host_batch[:, 1:]), token_sharding)
+
+    counts = {}
+    if hlo_log is not None:
+        step = step.lower(params, opt_state, *device_batch(batches[0])).compile()
+        counts = hlo_counts(step.as_text())
+        hlo_log(f"HLO of the compiled {label} train step: {format_hlo_counts(counts)}")
+
+    losses, times = [], []
+    tokens_per_step = batches[0].shape[0] * (batches[0].shape[1] - 1)
+    for i, host_batch in enumerate(batches):
+        start = time.perf_counter()
+        params, opt_state, loss = step(params, opt_state, *device_batch(host_batch))
         losses.append(float(loss))  # waits for the step
-        if i == 0:
-            start = time.perf_counter()  # step 0 includes compilation
-        elapsed = time.perf_counter() - start
-        rate = tokens_per_step * i / elapsed if i else float("nan")
-        log(f"[{label}] step {i:4d}  loss {losses[-1]:.5f}  tokens/s {rate:,.0f}")
-    elapsed = time.perf_counter() - start
-    rate = tokens_per_step * (len(batches) - 1) / elapsed if len(batches) > 1 else float("nan")
-    return losses, rate
+        times.append(time.perf_counter() - start)
+        log(f"[{label}] step {i:4d}  loss {losses[-1]:.5f}  {1e3 * times[-1]:9.2f} ms  "
+            f"tokens/s {tokens_per_step / times[-1]:,.0f}")
+    return losses, times, counts
+
+
+# --------------------------------------------------------------------------------------------
+# Timing and MFU
+# --------------------------------------------------------------------------------------------
+
+
+def flops_per_token(params, layers: int, hidden: int, seq: int) -> int:
+    """Model FLOPs per trained token (forward + backward), as in PaLM's MFU (Chowdhery et al.
+    2022, appendix B):
+
+        6 * N + 12 * layers * hidden * seq
+
+    N = parameter count without the embedding table (a lookup, no matmul; the untied LM head
+    is a matmul and counts): each weight does a multiply-add (2 FLOPs) per token forward and
+    twice that backward. The second term is attention's QK^T and PV matmuls (2 * 2 * seq *
+    hidden per token and layer forward, times 3 with the backward), counted over the full
+    seq x seq square although the causal mask makes half of it unnecessary (the usual
+    convention). Norms, softmax, activations and the optimizer are not counted.
+    """
+    n = sum(x.size for k, v in params.items() if k != "embed" for x in jax.tree.leaves(v))
+    return 6 * n + 12 * layers * hidden * seq
+
+
+def default_peak_tflops(device_kind: str, dtype: str) -> float | None:
+    """Dense bf16 peak per device where known (H100 / H200 SXM: 989 TFLOP/s), else None."""
+    if dtype == "bfloat16" and ("H100" in device_kind or "H200" in device_kind):
+        return 989.0
+    return None
+
+
+def timing(times: Sequence[float], warmup: int, tokens_per_step: int, flops: int,
+           peak_tflops: float | None, devices: int) -> dict:
+    """Median / min step time over the steps after the first `warmup`, tokens/s from the
+    median, MFU = achieved model FLOP/s / (peak FLOP/s per device * devices) (None without a
+    peak). NaNs when no step is left after the warm-up."""
+    timed = list(times[warmup:])
+    if not timed:
+        return dict(step_ms_median=float("nan"), step_ms_min=float("nan"),
+                    tokens_per_s=float("nan"), mfu=None, timed_steps=0)
+    median = float(np.median(timed))
+    tokens_per_s = tokens_per_step / median
+    mfu = flops * tokens_per_s / (peak_tflops * 1e12 * devices) if peak_tflops else None
+    return dict(step_ms_median=1e3 * median, step_ms_min=1e3 * min(timed),
+                tokens_per_s=tokens_per_s, mfu=mfu, timed_steps=len(timed))
+
+
+def format_timing(t: dict) -> str:
+    if not t["timed_steps"]:
+        return "no steps after the warm-up to time"
+    text = (f"step {t['step_ms_median']:.2f} ms median, {t['step_ms_min']:.2f} ms min "
+            f"(of {t['timed_steps']}), {t['tokens_per_s']:,.0f} tokens/s")
+    return text + (f", MFU {100 * t['mfu']:.1f}%" if t["mfu"] is not None else "")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -338,7 +506,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="compute dtype (params stay float32)")
-    p.add_argument("--impl", choices=("auto", "xla", "fused"), default="auto")
+    p.add_argument("--mode", choices=("jaxflux", "xla", "windowed"), default="jaxflux",
+                   help="jaxflux: the model from jaxflux.Dense with --impl; xla: the same with "
+                        "impl='xla'; windowed: the model from flax.linen.Dense (GSPMD, no "
+                        "shard_map) with XLA's windowed-einsum flags added to XLA_FLAGS")
+    p.add_argument("--impl", choices=("auto", "xla", "fused"), default="auto",
+                   help="jaxflux.Dense impl (--mode jaxflux)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-compare", action="store_true",
                    help="skip the flax.linen.Dense reference run")
@@ -346,6 +519,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="max |loss difference| / |loss| between the runs (default: 1e-4 for "
                         "float32 on CPU, 2e-2 for float32 on GPU (TF32 matmuls), 5e-2 bfloat16)")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
+    p.add_argument("--warmup-steps", type=int, default=2,
+                   help="steps left out of the step-time median / min, tokens/s and MFU")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s per device for MFU (default: 989 on H100 / H200 in "
+                        "bfloat16, else none and no MFU)")
+    p.add_argument("--print-hlo-collectives", action="store_true",
+                   help="compile the train step ahead of time and print the all-gather, "
+                        "reduce-scatter, all-reduce and custom-call counts of its optimized HLO")
     p.add_argument("--distributed", metavar="COORD,NUM,ID", nargs="?", const="auto",
                    help="join jax.distributed as process ID of NUM, coordinator at COORD "
                         "(host:port, process 0's); bare --distributed auto-detects them "
@@ -355,6 +536,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.hidden % args.heads:
         p.error(f"--hidden {args.hidden} must be divisible by --heads {args.heads}")
+    if args.impl != "auto" and args.mode != "jaxflux":
+        p.error(f"--impl {args.impl} applies to --mode jaxflux only (--mode {args.mode})")
+    if args.warmup_steps < 0:
+        p.error("--warmup-steps must be >= 0")
     return args
 
 
@@ -384,22 +569,38 @@ def init_process(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    """Runs the example; returns a dict with both loss curves and the comparison verdict."""
+    """Runs the example; returns a dict with both loss curves, timings and the verdict."""
     args = parse_args(argv)
+    if args.mode == "windowed" and not windowed_einsum_flags_set():
+        # Run as a script, the flags were added at import; here main() was called by other
+        # code, which may or may not have started a JAX backend already.
+        if backends_started():
+            builtins.print("warning: --mode windowed: JAX's backends have already started, "
+                           "too late to add the windowed-einsum flags to XLA_FLAGS",
+                           file=sys.stderr)
+        else:
+            add_windowed_einsum_flags()
     init_process(args)
     # Every process runs the same program; only process 0 reports.
     print = builtins.print if jax.process_index() == 0 else (lambda *a, **k: None)
     log = (lambda s: None) if args.quiet else print
     mesh = make_mesh(args.tp)
     dp, tp = mesh.shape["dp"], mesh.shape["tp"]
-    platform = mesh.devices.flat[0].platform
+    device = mesh.devices.flat[0]
+    platform = device.platform
     for name, value in (("--seq", args.seq), ("--heads", args.heads), ("--ffn", args.ffn)):
         if value % tp:
             raise ValueError(f"{name} {value} must be divisible by tp={tp}")
     if args.batch % dp:
         raise ValueError(f"--batch {args.batch} must be divisible by dp={dp}")
+    mode = args.mode
+    if mode == "windowed":
+        how = "flax.linen.Dense under GSPMD, windowed-einsum XLA_FLAGS " + (
+            "set" if windowed_einsum_flags_set() else "NOT in effect")
+    else:
+        how = f"impl={'xla' if mode == 'xla' else args.impl}"
     print(f"mesh: dp={dp} x tp={tp} on {platform} ({mesh.devices.size} devices, "
-          f"{jax.process_count()} process(es)), dtype={args.dtype}, impl={args.impl}")
+          f"{jax.process_count()} process(es)), dtype={args.dtype}, mode={mode} ({how})")
 
     def build(dense):
         return Transformer(vocab=args.vocab, hidden=args.hidden, heads=args.heads,
@@ -411,17 +612,37 @@ def main(argv: Sequence[str] | None = None) -> dict:
     example = jnp.asarray(batches[0][:, :-1])
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(args.lr, b1=0.9, b2=0.98, weight_decay=0.01))
-    result: dict[str, Any] = {"args": vars(args), "dp": dp, "tp": tp}
+    peak = args.peak_tflops or default_peak_tflops(device.device_kind, args.dtype)
+    result: dict[str, Any] = {"args": vars(args), "dp": dp, "tp": tp, "mode": mode,
+                              "peak_tflops": peak}
+    tokens_per_step = args.batch * args.seq
 
     with jax.set_mesh(mesh):
-        model = build(jaxflux_dense(args.impl))
-        params, specs = init_params(model, args.seed, example)
+        if mode == "windowed":
+            # Plain flax.linen.Dense under GSPMD: XLA's partitioner derives the collectives
+            # (and, with the flags, windows them); the layout is the jaxflux model's.
+            model = build(flax_dense)
+            specs = param_specs(build(jaxflux_dense("xla")), args.seed, example)
+            params, _ = init_params(model, args.seed, example)
+        else:
+            model = build(jaxflux_dense("xla" if mode == "xla" else args.impl))
+            params, specs = init_params(model, args.seed, example)
         host_params = host_copy(params, mesh)  # training donates the device copy
-        print(f"params: {sum(x.size for x in jax.tree.leaves(host_params)):,}")
+        flops = flops_per_token(host_params, args.layers, args.hidden, args.seq)
+        result["flops_per_token"] = flops
+        print(f"params: {sum(x.size for x in jax.tree.leaves(host_params)):,}; model FLOPs "
+              f"per token {flops:,} (6 x non-embedding params + 12 x layers x hidden x seq)"
+              + (f"; peak {peak:g} TFLOP/s per device" if peak else ""))
         params, shardings = place(params, specs, mesh)
-        losses, rate = train(model, params, shardings, tx, batches, mesh, "jaxflux", log)
-        result.update(jaxflux=losses, tokens_per_s=rate)
-        print(f"jaxflux: loss {losses[0]:.4f} -> {losses[-1]:.4f}, {rate:,.0f} tokens/s")
+        hlo_log = print if args.print_hlo_collectives else None
+        losses, times, counts = train(model, params, shardings, tx, batches, mesh, mode, log,
+                                      hlo_log)
+        t = timing(times, args.warmup_steps, tokens_per_step, flops, peak, mesh.devices.size)
+        result.update({mode: losses, "losses": losses, "step_ms": [1e3 * x for x in times],
+                       **t})
+        if counts:
+            result["hlo_collectives"] = counts
+        print(f"{mode}: loss {losses[0]:.4f} -> {losses[-1]:.4f}; {format_timing(t)}")
         ok = all(map(math.isfinite, losses))
 
         if not args.no_compare:
@@ -430,18 +651,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
             check_same_params(host_params, host_copy(ref_params, mesh))
             # The reference has no partitioning metadata: give it the jaxflux layout.
             ref_params, _ = place(ref_params, specs, mesh)
-            ref_losses, ref_rate = train(ref_model, ref_params, shardings, tx, batches, mesh,
-                                         "flax", log)
+            ref_losses, ref_times, _ = train(ref_model, ref_params, shardings, tx, batches,
+                                             mesh, "flax", log)
+            ref_t = timing(ref_times, args.warmup_steps, tokens_per_step, flops, peak,
+                           mesh.devices.size)
             diff = np.abs(np.subtract(losses, ref_losses))
             rel = float(np.max(diff / np.maximum(np.abs(ref_losses), 1e-12)))
             rtol = args.rtol if args.rtol is not None else default_rtol(args.dtype, platform)
             match = rel <= rtol
             ok = ok and match
-            result.update(flax=ref_losses, flax_tokens_per_s=ref_rate,
-                          max_abs_diff=float(np.max(diff)), max_rel_diff=rel, rtol=rtol)
-            print(f"flax.linen.Dense: loss {ref_losses[0]:.4f} -> {ref_losses[-1]:.4f}, "
-                  f"{ref_rate:,.0f} tokens/s")
-            print(f"final losses: jaxflux {losses[-1]:.6f}  flax {ref_losses[-1]:.6f}; "
+            result.update(flax=ref_losses, max_abs_diff=float(np.max(diff)), max_rel_diff=rel,
+                          rtol=rtol, **{f"flax_{k}": v for k, v in ref_t.items()})
+            print(f"flax.linen.Dense: loss {ref_losses[0]:.4f} -> {ref_losses[-1]:.4f}; "
+                  f"{format_timing(ref_t)}")
+            print(f"final losses: {mode} {losses[-1]:.6f}  flax {ref_losses[-1]:.6f}; "
                   f"max |diff| over the curve {np.max(diff):.3e} (relative {rel:.3e}, "
                   f"rtol {rtol:g}): {'MATCH' if match else 'MISMATCH'}")
     result["ok"] = ok

@@ -1,12 +1,17 @@
 """The main job, examples/train_tp_transformer.py, run in-process on 8 virtual CPU devices.
 
-Each case trains the small transformer built from jaxflux.Dense for a few steps and then the
-same model built from flax.linen.Dense; both must learn and their loss curves must match.
+Each case trains the small transformer built from jaxflux.Dense (or, with --mode, the
+impl="xla" or windowed-einsum variant) for a few steps and then the same model built from
+flax.linen.Dense; both must learn and their loss curves must match. Also checked: the timing and
+MFU numbers, and the collectives in the compiled train step (--print-hlo-collectives).
 """
 
 import importlib.util
 import math
+import os
 import pathlib
+import re
+import subprocess
 import sys
 
 import pytest
@@ -57,9 +62,82 @@ def test_trains_and_matches_flax(example, extra, dp, tp):
     # Same params, same batches: the curves agree to float32 rounding.
     assert result["max_rel_diff"] <= 1e-4, (ours, ref)
     assert result["ok"]
+    # Timing: steps after the first two (--warmup-steps 2); no MFU without a known peak (CPU).
+    assert result["timed_steps"] == 8
+    assert result["step_ms_median"] > 0 and result["tokens_per_s"] > 0
+    assert result["mfu"] is None
 
 
 def test_rejects_indivisible_heads(example):
     _require_devices(8)
     with pytest.raises(ValueError, match="--heads 6 must be divisible by tp=8"):
         example.main(SMALL + ["--heads", "6", "--hidden", "48", "--tp", "8"])
+
+
+def _non_embedding_params(vocab, hidden, layers, ffn, activation="gelu"):
+    c, f = hidden, (2 * ffn if activation == "swiglu" else ffn)
+    per_layer = (2 * c                     # norm1, norm2 scales
+                 + c * 3 * c + 3 * c        # qkv
+                 + c * c + c                # out
+                 + c * f + f                # fc1
+                 + ffn * c + c)             # fc2
+    return layers * per_layer + c + c * vocab + vocab  # + norm_f, lm_head
+
+
+@pytest.mark.parametrize("mode", ["xla", "windowed"])
+def test_modes_match_flax(example, mode):
+    _require_devices(8)
+    result = example.main(SMALL + ["--tp", "8", "--mode", mode, "--steps", "4",
+                                   "--peak-tflops", "0.5"])
+
+    assert result["mode"] == mode and result["ok"]
+    ours, ref = result[mode], result["flax"]
+    assert result["losses"] is ours and len(ours) == len(ref) == 4
+    assert result["max_rel_diff"] <= 1e-4, (ours, ref)
+    # Timing over steps 2 and 3 (--warmup-steps 2); MFU from the stated formula.
+    assert len(result["step_ms"]) == 4 and result["timed_steps"] == 2
+    assert 0 < result["step_ms_min"] <= result["step_ms_median"]
+    tokens_per_step = 8 * 32
+    assert result["tokens_per_s"] == pytest.approx(tokens_per_step / result["step_ms_median"] * 1e3)
+    flops = 6 * _non_embedding_params(64, 64, 1, 128) + 12 * 1 * 64 * 32
+    assert result["flops_per_token"] == flops
+    assert result["mfu"] == pytest.approx(flops * result["tokens_per_s"] / (0.5e12 * 8))
+    assert result["flax_step_ms_median"] > 0 and result["flax_mfu"] > 0
+
+
+def test_windowed_flags_as_script():
+    """Run as a script, --mode windowed puts XLA's windowed-einsum flags into XLA_FLAGS before
+    JAX starts (in-process, as above, it is too late); the CPU build of XLA accepts them."""
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLE.parents[1]), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, str(EXAMPLE), *SMALL, "--mode", "windowed",
+                           "--steps", "1", "--no-compare"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "mode=windowed (flax.linen.Dense under GSPMD, windowed-einsum XLA_FLAGS set)" \
+        in proc.stdout, proc.stdout
+
+
+def test_print_hlo_collectives(example, capsys):
+    """Per layer, two column (qkv, fc1) and two row (out, fc2) layers: forward one all-gather
+    per column and one reduce-scatter per row layer, backward the mirrored pair (the column
+    layer's dX is a reduce-scatter, its dW reuses the forward's gathered input; the row layer's
+    dX all-gathers the cotangent, reused for dW). Nothing else gathers or scatters: the
+    optimizer state is sharded like the params, and the rest is token-local or an all-reduce
+    (gradients of replicated params, the loss, the global gradient norm). On CPU impl="auto" is
+    the XLA path, so no custom calls."""
+    _require_devices(8)
+    layers = 2
+    result = example.main(SMALL + ["--tp", "8", "--layers", str(layers), "--steps", "2",
+                                   "--no-compare", "--print-hlo-collectives"])
+    out = capsys.readouterr().out
+    m = re.search(r"HLO of the compiled jaxflux train step: all-gather (\d+), "
+                  r"reduce-scatter (\d+), all-reduce (\d+), custom-call (\d+)", out)
+    assert m, out
+    all_gather, reduce_scatter, all_reduce, custom_call = map(int, m.groups())
+    assert (all_gather, reduce_scatter, custom_call) == (4 * layers, 4 * layers, 0), out
+    assert all_reduce >= 1, out
+    assert "custom-call targets: (none)" in out
+    counts = result["hlo_collectives"]
+    assert counts["all-gather"] == all_gather and counts["reduce-scatter"] == reduce_scatter
+    assert result["ok"]
