@@ -50,3 +50,12 @@ def mesh_of(shape, names, axis_types=AxisType.Explicit) -> Mesh:
   if isinstance(axis_types, AxisType):
     axis_types = (axis_types,) * len(shape)
   return jax.make_mesh(shape, names, axis_types, devices=jax.devices()[:n])
+
+
+def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-5):
+  """Leaf-wise allclose, with atol relative to each expected leaf's largest magnitude."""
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    assert a.shape == e.shape and a.dtype == e.dtype
+    a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
+    np.testing.assert_allclose(a, e, rtol=rtol, atol=atol * max(1.0, np.abs(e).max()))

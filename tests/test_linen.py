@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxflux
-from conftest import mesh_of
+from conftest import assert_trees_close, mesh_of
 
 EXPLICIT, AUTO = AxisType.Explicit, AxisType.Auto
 RANDOM_BIAS = nn.initializers.normal(1.0)  # Flax's default zero bias would hide bias bugs.
@@ -43,15 +43,6 @@ def value_and_grads(module, params, x):
 
   (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
   return y, grads
-
-
-def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-5):
-  """Leaf-wise allclose, with atol relative to each expected leaf's largest magnitude."""
-  assert jax.tree.structure(actual) == jax.tree.structure(expected)
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-    assert a.shape == e.shape and a.dtype == e.dtype
-    a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
-    np.testing.assert_allclose(a, e, rtol=rtol, atol=atol * max(1.0, np.abs(e).max()))
 
 
 @functools.cache

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxflux
-from conftest import mesh_of
+from conftest import assert_trees_close, mesh_of
 import jaxflux.nnx
 
 EXPLICIT, AUTO = AxisType.Explicit, AxisType.Auto
@@ -41,15 +41,6 @@ def value_and_grads(model, x):
 def params_of(model):
   """The model's params as a host-side pure dict: what a checkpoint holds."""
   return jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-
-
-def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-5):
-  """Leaf-wise allclose, with atol relative to each expected leaf's largest magnitude."""
-  assert jax.tree.structure(actual) == jax.tree.structure(expected)
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-    assert a.shape == e.shape and a.dtype == e.dtype
-    a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
-    np.testing.assert_allclose(a, e, rtol=rtol, atol=atol * max(1.0, np.abs(e).max()))
 
 
 def build(make):

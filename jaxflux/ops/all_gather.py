@@ -87,11 +87,7 @@ def all_gather(x, axis_name: str, *, impl: str = "fused", _debug_skip_signal_ran
     raise ValueError(f"all_gather: x must have rank >= 2 ([..., m, k]); got shape {jnp.shape(x)}.")
   if impl == "xla":
     return lax.all_gather(x, axis_name, axis=x.ndim - 2, tiled=True)
-  try:
-    tp = lax.axis_size(axis_name)
-  except NameError as e:
-    raise ValueError(f"all_gather: unknown axis_name={axis_name!r}: call it inside jax.shard_map "
-                     f"over a mesh with an axis named {axis_name!r}.") from e
+  tp = _common.axis_size("all_gather", axis_name)
   if tp == 1:
     return x
   reason = _common.platform_reason()
