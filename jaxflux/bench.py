@@ -318,7 +318,10 @@ def make_variant(name: str, row: Row) -> Variant:
       jax.eval_shape(gemm_module.gemm, probe, probe)
     except Exception as e:  # noqa: BLE001 - recorded as the reason the variant is null
       raise Unavailable(f"{type(e).__name__}: {e}") from e
-    return Variant(name, gemm_module.gemm, ("x_full", "w") if op == "ag_gemm" else ("x", "w"))
+    if op == "ag_gemm":
+      return Variant(name, functools.partial(gemm_module.gemm, tile_order="all_gather_matmul"),
+                     ("x_full", "w"))
+    return Variant(name, gemm_module.gemm, ("x", "w"))
   if name == "comm":
     if op == "ag_gemm":
       return Variant(name, lambda x: lax.all_gather(x, AXIS, axis=0, tiled=True), ("x",))

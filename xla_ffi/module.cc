@@ -11,8 +11,10 @@
 #include <vector>
 
 #ifdef JAXFLUX_WITH_CUDA
+#include "xla_ffi/ffi/ag_gemm.h"
 #include "xla_ffi/ffi/all_gather.h"
 #include "xla_ffi/ffi/gemm.h"
+#include "xla_ffi/ffi/rank_state_type.h"
 #include "xla_ffi/runtime/runtime.h"
 #endif
 
@@ -46,6 +48,11 @@ NB_MODULE(_jaxflux, m) {
     registrations["jaxflux_all_gather"] = stateful;
     registrations["jaxflux_all_gather_site_cached"] = Capsule(JaxfluxAllGatherSiteCached);
     registrations["jaxflux_gemm"] = Capsule(JaxfluxGemm);
+    nb::dict ag_gemm;
+    ag_gemm["instantiate"] = Capsule(JaxfluxAllGatherInstantiate);  // the same rank cache
+    ag_gemm["execute"] = Capsule(JaxfluxAgGemmExecute);
+    registrations["jaxflux_all_gather_matmul"] = ag_gemm;
+    registrations["jaxflux_all_gather_matmul_site_cached"] = Capsule(JaxfluxAgGemmSiteCached);
 #endif
     return registrations;
   }, "FFI targets by name (PyCapsules or stage dicts), empty when built without CUDA.");

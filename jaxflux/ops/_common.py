@@ -57,8 +57,10 @@ def axis_size(op: str, axis_name) -> int:
         "your tensor-parallel axis).") from e
 
 
-def resolve_impl(op: str, impl: str, x, w, fused_supported) -> str:
-  """Picks "fused" or "xla". `fused_supported(x, w) -> str | None` says why fused can't run."""
+def resolve_impl(op: str, impl: str, x, w, fused_supported, auto_prefers_fused=None) -> str:
+  """Picks "fused" or "xla". `fused_supported(x, w) -> str | None` says why fused can't run;
+  `auto_prefers_fused(x, w) -> bool` is the measured policy of impl="auto" (default: fused
+  wherever it can run)."""
   check_impl(op, impl)
   if impl == "xla":
     return "xla"
@@ -77,7 +79,11 @@ def resolve_impl(op: str, impl: str, x, w, fused_supported) -> str:
                                         "back to XLA where the fused kernel cannot run.")
     return "fused"
   # auto: fused only where a kernel exists and measurements say it wins.
-  return "fused" if fused_supported(x, w) is None else "xla"
+  if x.dtype not in FUSED_DTYPES or x.dtype != w.dtype or fused_supported(x, w) is not None:
+    return "xla"
+  if auto_prefers_fused is not None and not auto_prefers_fused(x, w):
+    return "xla"
+  return "fused"
 
 
 def platform_reason() -> str | None:
@@ -121,11 +127,22 @@ def match_vma(ct, primal):
   broadcast (pvary); the transpose of that broadcast is a psum, which a custom_vjp must apply
   itself so the cotangent has the primal's type.
   """
-  extra = tuple(sorted(_vma(ct) - _vma(primal)))
+  extra = tuple(sorted(vma(ct) - vma(primal)))
   return lax.psum(ct, extra) if extra else ct
 
 
-def _vma(a) -> frozenset:
+def mark_varying(a, axes):
+  """Types `a` as varying along `axes` inside shard_map (FFI results come back unvarying; the
+  fused ops' results vary like the XLA path's do). A no-op outside shard_map type checking."""
+  missing = tuple(sorted(frozenset(axes) - vma(a)))
+  if not missing:
+    return a
+  if hasattr(lax, "pcast"):  # jax >= 0.8
+    return lax.pcast(a, missing, to="varying")
+  return lax.pvary(a, missing)  # older jax
+
+
+def vma(a) -> frozenset:
   """Mesh axes along which `a` varies inside shard_map (empty outside, or with check_vma=False)."""
   aval = jax.typeof(a)
   if hasattr(aval, "vma"):  # jax releases that expose it directly

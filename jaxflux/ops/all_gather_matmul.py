@@ -13,11 +13,15 @@ Backward (the pair closes under differentiation, so fused kernels serve both pas
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from jaxflux import _runtime
 from jaxflux.ops import _common
 
 
@@ -33,11 +37,15 @@ def all_gather_matmul(x, w, axis_name: str, *, return_gathered: bool = False, im
     w: [K, n] local column shard of the weight.
     axis_name: the tensor-parallel mesh axis (size tp).
     return_gathered: also return x_full = the gathered x, [..., tp*m, K].
-    impl: "auto" (fused kernel where it exists and wins, else XLA), "fused" (the fused kernel or
-      an error, never a silent fallback) or "xla" (pure-JAX reference).
+    impl: "auto" (fused kernel where it exists and the benchmark measured it ahead, else XLA),
+      "fused" (the fused kernel or an error, never a silent fallback) or "xla" (pure-JAX
+      reference). The fused kernel (Hopper GPUs, tp <= 8) takes bfloat16/float16 x and w of one
+      dtype, K and N multiples of 8, and writes y in that dtype. Its backward computes dX with
+      matmul_reduce_scatter(impl="auto").
     preferred_element_type: output dtype (accumulation is fp32 on the fused path); default is
       the promoted input dtype.
-    precision: `lax.Precision` for the XLA path, as in `lax.dot_general`.
+    precision: `lax.Precision` for the XLA path, as in `lax.dot_general` (the fused kernel always
+      multiplies bf16/fp16 inputs with fp32 accumulation).
 
   Returns:
     y [..., tp*m, n], or (y, x_full) when return_gathered.
@@ -46,37 +54,107 @@ def all_gather_matmul(x, w, axis_name: str, *, return_gathered: bool = False, im
   _common.check_impl(op, impl)
   _common.check_operands(op, x, w)
   _common.axis_size(op, axis_name)
-  _common.resolve_impl(op, impl, x, w, _fused_unsupported_reason)
+  _resolve(impl, x, w, preferred_element_type, axis_name)
   return _all_gather_matmul(x, w, axis_name, bool(return_gathered), impl,
                             _common.static_dtype(preferred_element_type), precision)
 
 
-def _fused_unsupported_reason(x, w) -> str | None:
+def _fused_unsupported_reason(x, w, preferred_element_type) -> str | None:
   """Why the fused AllGather+GEMM kernel cannot run on these operands here, or None."""
   reason = _common.platform_reason()
   if reason is not None:
     return reason
-  return "the fused AllGather+GEMM kernel is not part of this jaxflux version yet."
+  k, n = w.shape
+  if k % 8 or n % 8:
+    return (f"this device's w shard is [K, N] = [{k}, {n}]; the kernel needs K and N multiples "
+            "of 8 (16-byte rows for its TMA loads). Pad the weight.")
+  if x.size == 0 or w.size == 0:
+    return f"empty operands (x.shape={x.shape}, w.shape={w.shape}) have nothing to fuse."
+  out = _common.result_dtype(x, w, preferred_element_type)
+  if out != x.dtype:
+    return (f"the kernel writes its output in the input dtype ({x.dtype}); "
+            f"preferred_element_type={out} is not supported by it yet.")
+  return None
+
+
+# impl="auto" takes the fused kernel only where the benchmark measured it ahead of XLA unfused:
+# on 2xH200 it won on every benchmark shape at M = 2048 and 8192 (1.02-1.27x,
+# benchmarks/results/ag_gemm_gpu_tp2_fused_2026-11-30.json). Smaller M and other tp are not
+# measured yet, so auto keeps XLA there.
+AUTO_FUSED_TP = (2,)
+AUTO_FUSED_MIN_ROWS = 2048  # gathered rows, tp * m (times batch)
+
+
+def _auto_prefers_fused(x, w, tp: int) -> bool:
+  """impl="auto": fused only inside the measured winning region (see AUTO_FUSED_*)."""
+  del w
+  rows = tp * (x.size // x.shape[-1])
+  return tp in AUTO_FUSED_TP and rows >= AUTO_FUSED_MIN_ROWS
+
+
+def _resolve(impl, x, w, preferred_element_type, axis_name) -> str:
+  tp = lax.axis_size(axis_name)
+  return _common.resolve_impl(
+      "all_gather_matmul", impl, x, w,
+      lambda x, w: _fused_unsupported_reason(x, w, preferred_element_type),
+      auto_prefers_fused=lambda x, w: _auto_prefers_fused(x, w, tp))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def _all_gather_matmul(x, w, axis_name, return_gathered, impl, preferred_element_type, precision):
-  y, x_full = _forward(x, w, axis_name, impl, preferred_element_type, precision)
+  y, x_full = _forward(x, w, axis_name, impl, preferred_element_type, precision, return_gathered)
   return (y, x_full) if return_gathered else y
 
 
-def _forward(x, w, axis_name, impl, preferred_element_type, precision):
-  chosen = _common.resolve_impl("all_gather_matmul", impl, x, w, _fused_unsupported_reason)
-  if chosen == "fused":  # Unreachable until the fused kernel lands: resolve_impl raised already.
-    raise NotImplementedError("fused AllGather+GEMM")
+def _forward(x, w, axis_name, impl, preferred_element_type, precision, want_gathered):
+  """(y, x_full); x_full is None when not wanted and the fused kernel runs."""
+  if _resolve(impl, x, w, preferred_element_type, axis_name) == "fused":
+    return _fused(x, w, axis_name, want_gathered)
   x_full = lax.all_gather(x, axis_name, axis=x.ndim - 2, tiled=True)
   y = _common.matmul(x_full, w, precision=precision,
                      preferred_element_type=preferred_element_type)
   return y, x_full
 
 
+def _fused(x, w, axis_name, want_gathered, debug_skip_rank=-1):
+  """The fused kernel (jaxflux_all_gather_matmul FFI target, xla_ffi/ffi/ag_gemm.cc).
+
+  debug_skip_rank: test hook; that rank never signals its peers, so they time out.
+  """
+  from jaxflux.ops import all_gather as all_gather_module  # rank_info lives with the runtime op
+  from jaxflux.ops import gemm as gemm_module
+
+  tp = lax.axis_size(axis_name)
+  if tp == 1:  # nothing to gather
+    y = gemm_module.gemm(x, w)
+    return y, (x if want_gathered else None)
+  if tp > 8:
+    raise _common.FusedKernelUnavailableError(
+        f"all_gather_matmul(impl='fused'): axis {axis_name!r} has size {tp}; the fused kernel "
+        "supports groups of up to 8 GPUs (one NVLink domain). Use impl='xla'.")
+  info, num_groups = all_gather_module.rank_info(axis_name)
+  shard_bytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+  # The gathered A: two parities of tp shards each, every parity half 256-byte aligned.
+  generation = _runtime.ensure_workspace(2 * (-(-tp * shard_bytes // 256) * 256))
+  m, k = x.shape[-2:]
+  out_types = [jax.ShapeDtypeStruct(x.shape[:-2] + (tp * m, w.shape[1]), x.dtype)]
+  if want_gathered:
+    out_types.append(jax.ShapeDtypeStruct(x.shape[:-2] + (tp * m, k), x.dtype))
+  call = jax.ffi.ffi_call(_runtime.target_name("all_gather_matmul"), out_types)
+  outs = call(x, w, info,
+              tp=np.int64(tp),
+              num_groups=np.int64(num_groups),
+              site=np.int64(_runtime.new_site_id()),
+              generation=np.int64(generation),
+              debug_skip_rank=np.int64(debug_skip_rank))
+  # Typed like the XLA path's results: varying along the gathered axis and wherever x, w vary.
+  axes = _common.vma(x) | _common.vma(w) | {axis_name}
+  outs = [_common.mark_varying(o, axes) for o in outs]
+  return outs[0], (outs[1] if want_gathered else None)
+
+
 def _fwd(x, w, axis_name, return_gathered, impl, preferred_element_type, precision):
-  y, x_full = _forward(x, w, axis_name, impl, preferred_element_type, precision)
+  y, x_full = _forward(x, w, axis_name, impl, preferred_element_type, precision, True)
   out = (y, x_full) if return_gathered else y
   # x itself is kept only for its type (varying mesh axes); x_full carries the values.
   return out, (x, x_full, w)
@@ -89,8 +167,10 @@ def _bwd(axis_name, return_gathered, impl, preferred_element_type, precision, re
   dy, dx_full = ct if return_gathered else (ct, None)
   compute_dtype = _common.result_dtype(x, w, None)
   dy = dy.astype(compute_dtype)
-  dx = matmul_reduce_scatter(dy, w.T, axis_name, impl=impl, preferred_element_type=x.dtype,
-                             precision=precision)
+  # dX goes through GEMM+ReduceScatter; until its fused kernel lands, impl="fused" asks it for
+  # "auto" (its fused kernel where one exists, else XLA), so a fused forward stays trainable.
+  dx = matmul_reduce_scatter(dy, w.T, axis_name, impl="auto" if impl == "fused" else impl,
+                             preferred_element_type=x.dtype, precision=precision)
   if dx_full is not None:
     dx = dx + lax.psum_scatter(dx_full, axis_name, scatter_dimension=x.ndim - 2,
                                tiled=True).astype(x.dtype)

@@ -16,13 +16,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <array>
-#include <map>
 #include <memory>
 #include <mutex>
-#include <shared_mutex>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi/group.h"
 #include "xla_ffi/kernels/signal_kernels.h"
 #include "xla_ffi/runtime/runtime.h"
 #include "xla_ffi/runtime/signals.h"
@@ -30,15 +29,6 @@
 namespace ffi = xla::ffi;
 
 namespace jaxflux {
-
-// Ranks learned by one executable instance, per device of this process.
-struct RankState {
-  static ffi::TypeId id;
-  std::mutex mu;
-  std::array<bool, kMaxDevices> known{};
-  std::array<GroupInfo, kMaxDevices> groups{};
-};
-ffi::TypeId RankState::id = {};
 
 namespace {
 
@@ -151,33 +141,18 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
         std::to_string(shard_bytes) + "-byte shard on GPU " + std::to_string(ordinal) +
         " (the op must be traced through jaxflux, which sizes it)");
   }
-  std::array<char*, kMaxRanks> peer_arena{};
-  for (int p = 0; p < tp; ++p) {
-    peer_arena[p] = WorkspaceArena(generation, g.peers[p]);
-    if (shard_bytes > 0 && peer_arena[p] == nullptr) {
-      return ffi::Error::Internal("jaxflux all_gather: no workspace on GPU " +
-                                  std::to_string(g.peers[p]) + " in generation " +
-                                  std::to_string(generation));
-    }
-  }
-
   DeviceGuard guard(ordinal);
   JAXFLUX_CUDA(guard.status());
-  DeviceResources* res = nullptr;
-  std::string failed;
-  if (cudaError_t err = GetDeviceResources(ordinal, &res, &failed); err != cudaSuccess) {
-    (void)cudaGetLastError();
-    return CudaError(failed, err);
+  GroupResources group;
+  if (ffi::Error e = GetGroupResources("all_gather", generation, ordinal, g, shard_bytes > 0,
+                                       &group);
+      e.failure()) {
+    return e;
   }
+  DeviceResources* res = group.self;
   std::lock_guard<std::mutex> device_lock(res->mu);
-  std::array<DeviceResources*, kMaxRanks> peer_res{};
-  for (int p = 0; p < tp; ++p) {
-    if (cudaError_t err = GetDeviceResources(g.peers[p], &peer_res[p], &failed);
-        err != cudaSuccess) {
-      (void)cudaGetLastError();
-      return CudaError(failed, err);
-    }
-  }
+  const auto& peer_arena = group.arenas;
+  const auto& peer_res = group.ranks;
 
   std::array<Chunk, kMaxChunks> chunks;
   const int num_chunks = rows == 0 ? 0 : MakeChunks(rows, row_bytes, &chunks);
@@ -327,64 +302,23 @@ ffi::Error AllGatherExecute(cudaStream_t stream, int32_t ordinal, RankState* sta
                             int64_t site, int64_t generation, int64_t debug_skip_rank,
                             int64_t mark_landed) {
   if (ffi::Error e = CheckInputs(x, rank_info, out, tp); e.failure()) return e;
-  if (DebugEnabled()) {
-    std::fprintf(stderr, "[jaxflux] GPU %d: all_gather (stateful) site %lld state %p\n", ordinal,
-                 static_cast<long long>(site), static_cast<void*>(state));
-  }
-  if (ordinal < 0 || ordinal >= kMaxDevices) {
-    return ffi::Error::InvalidArgument("jaxflux all_gather: device ordinal out of range");
-  }
   GroupInfo g;
-  {
-    std::unique_lock<std::mutex> lock(state->mu);
-    if (!state->known[ordinal]) {
-      // Discovery blocks on peers; don't hold the state lock that their handlers need.
-      lock.unlock();
-      std::string error;
-      if (!DiscoverGroup(stream, ordinal, rank_info.typed_data(), site, tp, num_groups, &g,
-                         &error)) {
-        return ffi::Error::Internal(error);
-      }
-      lock.lock();
-      state->groups[ordinal] = g;
-      state->known[ordinal] = true;
-    }
-    g = state->groups[ordinal];
+  if (ffi::Error e = ResolveGroup("all_gather", stream, ordinal, state, rank_info.typed_data(),
+                                  site, tp, num_groups, &g);
+      e.failure()) {
+    return e;
   }
   return AllGatherImpl(stream, ordinal, g, x, rank_info, out, generation, debug_skip_rank,
                        mark_landed);
 }
-
-std::shared_mutex g_site_mu;
-std::map<std::pair<int64_t, int>, GroupInfo> g_site_groups;
 
 ffi::Error AllGatherSiteCached(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                ffi::Buffer<ffi::S32> rank_info,
                                ffi::Result<ffi::AnyBuffer> out, int64_t tp, int64_t num_groups,
                                int64_t site, int64_t generation, int64_t debug_skip_rank,
                                int64_t mark_landed) {
-  if (ffi::Error e = CheckInputs(x, rank_info, out, tp); e.failure()) return e;
-  GroupInfo g;
-  bool known = false;
-  {
-    std::shared_lock<std::shared_mutex> lock(g_site_mu);
-    auto it = g_site_groups.find({site, ordinal});
-    if (it != g_site_groups.end()) {
-      g = it->second;
-      known = true;
-    }
-  }
-  if (!known) {
-    std::string error;
-    if (!DiscoverGroup(stream, ordinal, rank_info.typed_data(), site, tp, num_groups, &g,
-                       &error)) {
-      return ffi::Error::Internal(error);
-    }
-    std::unique_lock<std::shared_mutex> lock(g_site_mu);
-    g_site_groups[{site, ordinal}] = g;
-  }
-  return AllGatherImpl(stream, ordinal, g, x, rank_info, out, generation, debug_skip_rank,
-                       mark_landed);
+  return AllGatherExecute(stream, ordinal, nullptr, x, rank_info, out, tp, num_groups, site,
+                          generation, debug_skip_rank, mark_landed);
 }
 
 }  // namespace
@@ -423,10 +357,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("generation")                         // workspace generation to use
         .Attr<int64_t>("debug_skip_rank")                    // test hook: rank that never signals
         .Attr<int64_t>("mark_landed"));                      // set per-chunk landed flags
-
-extern "C" XLA_FFI_TypeId* JaxfluxRankStateTypeId() { return &jaxflux::RankState::id; }
-
-extern "C" const XLA_FFI_TypeInfo* JaxfluxRankStateTypeInfo() {
-  static const XLA_FFI_TypeInfo info = xla::ffi::MakeTypeInfo<jaxflux::RankState>();
-  return &info;
-}

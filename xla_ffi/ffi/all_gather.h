@@ -12,8 +12,4 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfluxAllGatherExecute);
 // Fallback target: rank cache keyed by (call site, device), verified on device every call.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfluxAllGatherSiteCached);
 
-// Type id and info of the per-executable state, for jax.ffi.register_ffi_type.
-XLA_FFI_DECLARE_TYPE_ID_SYMBOL(JaxfluxRankStateTypeId);
-XLA_FFI_DECLARE_TYPE_INFO_SYMBOL(JaxfluxRankStateTypeInfo);
-
 #endif  // JAXFLUX_XLA_FFI_FFI_ALL_GATHER_H_

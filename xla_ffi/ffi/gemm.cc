@@ -9,6 +9,7 @@
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/kernels/ag_gemm_sm90.h"
 #include "xla_ffi/kernels/gemm_sm90.h"
 
 namespace ffi = xla::ffi;
@@ -16,8 +17,11 @@ namespace ffi = xla::ffi;
 namespace jaxflux {
 namespace {
 
+// tile_order 0: CUTLASS's persistent scheduler; 1: the fused AllGather+GEMM kernel itself with
+// its flag waits off (same tile order and rasterization), to measure what fusion costs the GEMM.
 ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
-                       ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d) {
+                       ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d,
+                       int64_t tile_order) {
   const auto dtype = a.element_type();
   if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
     return ffi::Error::InvalidArgument("jaxflux gemm: inputs must be bfloat16 or float16");
@@ -55,8 +59,16 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
   const GemmProblem problem{a.untyped_data(), b.untyped_data(), d->untyped_data(),
                             static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
                             device};
+  AgGemmProblem fused{};
+  fused.gemm = problem;
+  fused.wait_for_flags = 0;
+  fused.wait.tp = 1;
+  fused.wait.rows_per_shard = static_cast<int>(m);
+  fused.wait.chunk_rows = static_cast<int>(m);
+  const size_t scratch_bytes = tile_order == 1 ? AgGemmSm90WorkspaceBytes(which, fused)
+                                               : GemmSm90WorkspaceBytes(which, problem);
   void* workspace = nullptr;
-  if (const size_t bytes = GemmSm90WorkspaceBytes(which, problem); bytes > 0) {
+  if (const size_t bytes = scratch_bytes; bytes > 0) {
     auto allocation = scratch.Allocate(bytes, 256);
     if (!allocation.has_value()) {
       return ffi::Error::Internal("jaxflux gemm: could not allocate " +
@@ -64,7 +76,9 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
     }
     workspace = *allocation;
   }
-  if (const char* failure = GemmSm90(which, problem, workspace, stream)) {
+  const char* failure = tile_order == 1 ? AgGemmSm90(which, fused, workspace, stream)
+                                        : GemmSm90(which, problem, workspace, stream);
+  if (failure != nullptr) {
     return ffi::Error::Internal(std::string("jaxflux gemm: ") + failure);
   }
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
@@ -85,4 +99,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<xla::ffi::ScratchAllocator>()              // CUTLASS workspace, if any
         .Arg<xla::ffi::AnyBuffer>()                     // a: [..., M, K]
         .Arg<xla::ffi::AnyBuffer>()                     // b: [K, N]
-        .Ret<xla::ffi::AnyBuffer>());                   // d: [..., M, N]
+        .Ret<xla::ffi::AnyBuffer>()                     // d: [..., M, N]
+        .Attr<int64_t>("tile_order"));                  // 0 CUTLASS's, 1 AllGather+GEMM's

@@ -20,8 +20,11 @@
 
 namespace jaxflux::gemm_sm90 {
 
-template <class Element>
+// SchedulerTag: void = CUTLASS's static persistent scheduler (GEMM-only op); the fused ops plug
+// in their own (ag_gemm_scheduler_sm90.cuh).
+template <class Element_, class SchedulerTag = void>
 struct Config {
+  using Element = Element_;
   using Layout = cutlass::layout::RowMajor;  // A [M,K], B [K,N] (N-major B), D [M,N]
   static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte accesses
   using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
@@ -41,7 +44,7 @@ struct Config {
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
-                                                      Epilogue>;
+                                                      Epilogue, SchedulerTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
@@ -57,10 +60,10 @@ inline int SmCount(int device) {
   return counts[device];
 }
 
-template <class Element>
-typename Config<Element>::Gemm::Arguments MakeArguments(const GemmProblem& p) {
-  using C = Config<Element>;
+template <class C>
+typename C::Gemm::Arguments MakeArguments(const GemmProblem& p) {
   using Gemm = typename C::Gemm;
+  using Element = typename C::Element;
   auto stride_a = cutlass::make_cute_packed_stride(typename Gemm::GemmKernel::StrideA{},
                                                    cute::make_shape(p.m, p.k, 1));
   auto stride_b = cutlass::make_cute_packed_stride(typename Gemm::GemmKernel::StrideB{},
@@ -79,15 +82,10 @@ typename Config<Element>::Gemm::Arguments MakeArguments(const GemmProblem& p) {
   return args;
 }
 
-template <class Element>
-size_t WorkspaceBytes(const GemmProblem& p) {
-  return Config<Element>::Gemm::get_workspace_size(MakeArguments<Element>(p));
-}
-
-template <class Element>
-const char* Run(const GemmProblem& p, void* workspace, cudaStream_t stream) {
-  typename Config<Element>::Gemm gemm;
-  auto args = MakeArguments<Element>(p);
+template <class C>
+const char* Launch(const typename C::Gemm::Arguments& args, void* workspace,
+                   cudaStream_t stream) {
+  typename C::Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
     return "CUTLASS cannot implement this problem (K and N must be multiples of 8)";
   }
@@ -96,6 +94,18 @@ const char* Run(const GemmProblem& p, void* workspace, cudaStream_t stream) {
   }
   if (gemm.run(stream) != cutlass::Status::kSuccess) return "CUTLASS GEMM launch failed";
   return nullptr;
+}
+
+template <class Element>
+size_t WorkspaceBytes(const GemmProblem& p) {
+  using C = Config<Element>;
+  return C::Gemm::get_workspace_size(MakeArguments<C>(p));
+}
+
+template <class Element>
+const char* Run(const GemmProblem& p, void* workspace, cudaStream_t stream) {
+  using C = Config<Element>;
+  return Launch<C>(MakeArguments<C>(p), workspace, stream);
 }
 
 }  // namespace jaxflux::gemm_sm90

@@ -1,0 +1,248 @@
+"""Fused AllGather+GEMM on GPUs against a float32 reference: the benchmark shapes, odd shapes,
+batch dims, x_full, back-to-back calls with fresh data, mixing with XLA collectives, loops,
+determinism, gradients, the compiled HLO, the GEMM-only mode and the bounded wait. Skipped
+unless jaxflux.has_cuda() and at least 2 GPUs."""
+import importlib
+import json
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jaxflux
+from jaxflux import _hlo, _runtime
+from jaxflux.ops.gemm import gemm
+
+pytestmark = pytest.mark.gpu
+
+# The module (jaxflux.ops re-exports the function under the same name).
+agm_module = importlib.import_module("jaxflux.ops.all_gather_matmul")
+
+TOL = {jnp.bfloat16: 1e-2, jnp.float16: 5e-3}
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _no_device_errors():
+  """Every test also fails on any error a kernel recorded (a timed-out wait, a rank mismatch)."""
+  _runtime.check_errors()
+  yield
+  _runtime.check_errors()
+
+
+def _mesh():
+  devices = jax.devices("gpu") if jaxflux.has_cuda() else []
+  if len(devices) < 2:
+    pytest.skip("needs at least 2 GPUs")
+  return Mesh(np.asarray(devices), ("tp",))
+
+
+def _operands(seed, x_shape, w_shape, dtype):
+  kx, kw = jax.random.split(jax.random.key(seed))
+  return (jax.random.normal(kx, x_shape, jnp.float32).astype(dtype),
+          (jax.random.normal(kw, w_shape, jnp.float32) / np.sqrt(w_shape[0])).astype(dtype))
+
+
+def _rel_err(got, want) -> float:
+  got = np.asarray(got, np.float64)
+  want = np.asarray(want, np.float64)
+  return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def _x_spec(ndim):
+  spec = [None] * ndim
+  spec[-2] = "tp"
+  return P(*spec)
+
+
+def _fused_fn(mesh, ndim, return_gathered=False, impl="fused"):
+  """Global x [..., M, K] (rows sharded), w [K, N] (columns sharded) -> y [..., M, N]."""
+  out_specs = (P(*([None] * (ndim - 1)), "tp"),)
+  if return_gathered:
+    out_specs += (P("tp"),)  # per-device x_full stacked on a new leading axis
+  def body(x, w):
+    out = jaxflux.all_gather_matmul(x, w, "tp", impl=impl, return_gathered=return_gathered)
+    return (out[0], out[1][None]) if return_gathered else (out,)
+  f = jax.shard_map(body, mesh=mesh, in_specs=(_x_spec(ndim), P(None, "tp")),
+                    out_specs=out_specs)
+  return jax.jit(lambda x, w: f(x, w) if return_gathered else f(x, w)[0])
+
+
+def _reference(x, w):
+  return jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32),
+                    precision=lax.Precision.HIGHEST)
+
+
+def _shapes_json():
+  for path in (ROOT.parent / "shared" / "bench" / "shapes.json",
+               ROOT / "benchmarks" / "shapes.json"):
+    if path.exists():
+      return json.loads(path.read_text())
+  pytest.skip("no shapes.json")
+
+
+def _bench_cases():
+  try:
+    shapes = _shapes_json()["ag_gemm"]
+  except BaseException:  # noqa: BLE001 - collection must not fail without the file
+    return []
+  return [pytest.param(M, s["K"], s["N"], id=f"{s['name']}-M{M}") for s in shapes
+          for M in (1024, 8192)]
+
+
+@pytest.mark.parametrize("M,K,N", _bench_cases())
+def test_benchmark_shapes_match_float32_reference(M, K, N):
+  mesh = _mesh()
+  x, w = _operands(M + N, (M, K), (K, N), jnp.bfloat16)
+  got = _fused_fn(mesh, 2)(x, w)
+  assert got.shape == (M, N) and got.dtype == jnp.bfloat16
+  assert _rel_err(got, _reference(x, w)) <= TOL[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("shard_rows,K,N,batch", [
+    (200, 256, 512, ()),      # M/tp not a multiple of the 128-row tile: tiles straddle shards
+    (128, 264, 136, ()),      # exactly one tile per shard; K, N not multiples of the tile
+    (256, 128, 256, ()),      # two tiles per shard
+    (384, 512, 1024, ()),     # three tiles per shard
+    (1, 64, 64, ()),          # one row per shard
+    (8, 4096, 2048, ()),      # decode-sized M, large K
+    (7, 96, 40, (2, 3)),      # batch dims
+    (64, 128, 256, (4,)),
+    (8192, 1024, 512, ()),    # several chunks per shard (the pipelined copy)
+])
+def test_odd_shapes_and_batch_dims(dtype, shard_rows, K, N, batch):
+  mesh = _mesh()
+  tp = mesh.shape["tp"]
+  x, w = _operands(shard_rows * K + N, batch + (tp * shard_rows, K), (K, N * tp), dtype)
+  got = _fused_fn(mesh, x.ndim)(x, w)
+  assert got.shape == batch + (tp * shard_rows, N * tp) and got.dtype == dtype
+  assert _rel_err(got, _reference(x, w)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("batch", [(), (3,)])
+def test_x_full_is_the_exact_gather(batch):
+  mesh = _mesh()
+  tp = mesh.shape["tp"]
+  x, w = _operands(3, batch + (tp * 320, 256), (256, 128 * tp), jnp.bfloat16)
+  y, x_full = _fused_fn(mesh, x.ndim, return_gathered=True)(x, w)
+  np.testing.assert_array_equal(np.asarray(x_full), np.broadcast_to(np.asarray(x),
+                                                                     x_full.shape))
+  assert _rel_err(y, _reference(x, w)) <= TOL[jnp.bfloat16]
+
+
+def test_back_to_back_calls_with_fresh_data_and_no_host_sync():
+  mesh = _mesh()
+  tp = mesh.shape["tp"]
+  f = _fused_fn(mesh, 2)
+  make = jax.jit(lambda i: _operands(i, (tp * 1024, 512), (512, 256 * tp), jnp.bfloat16))
+  inputs, outs = [], []
+  for i in range(200):
+    x, w = make(jnp.int32(i))
+    inputs.append((x, w))
+    outs.append(f(x, w))
+  for (x, w), y in zip(inputs[::17], outs[::17]):
+    assert _rel_err(y, _reference(x, w)) <= TOL[jnp.bfloat16]
+
+
+def test_mixed_with_xla_collectives_and_in_fori_loop():
+  mesh = _mesh()
+  tp = mesh.shape["tp"]
+  K = 256
+
+  def body(x, w):
+    def step(_, h):
+      y = jaxflux.all_gather_matmul(h, w, "tp", impl="fused")  # [tp*m, K]
+      y = y + lax.psum(jnp.sum(h.astype(jnp.float32)), "tp").astype(y.dtype) * 0
+      # Back to this device's token shard, scaled to keep values bounded.
+      idx = lax.axis_index("tp")
+      return (lax.dynamic_slice_in_dim(y, idx * h.shape[0], h.shape[0]) * 0.5).astype(h.dtype)
+    return lax.fori_loop(0, 5, step, x)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, None)),
+                            out_specs=P("tp")))
+  x, w = _operands(5, (tp * 256, K), (K, K), jnp.bfloat16)
+  got = f(x, w)
+  ref = x.astype(jnp.float32)
+  w32 = w.astype(jnp.float32)
+  for _ in range(5):
+    ref = (jnp.matmul(ref, w32, precision=lax.Precision.HIGHEST) * 0.5).astype(
+        jnp.bfloat16).astype(jnp.float32)
+  assert _rel_err(got, ref) <= 3e-2
+
+
+def test_bitwise_deterministic_run_to_run():
+  mesh = _mesh()
+  tp = mesh.shape["tp"]
+  f = _fused_fn(mesh, 2)
+  x, w = _operands(9, (tp * 2048, 1024), (1024, 512 * tp), jnp.bfloat16)
+  first = np.asarray(f(x, w))
+  for _ in range(3):
+    np.testing.assert_array_equal(np.asarray(f(x, w)), first)
+
+
+def test_gradients_match_xla_path():
+  mesh = _mesh()
+  tp = mesh.shape["tp"]
+  x, w = _operands(11, (tp * 384, 256), (256, 128 * tp), jnp.bfloat16)
+  ct = jax.random.normal(jax.random.key(12), (tp * 384, 128 * tp), jnp.float32)
+
+  def loss(impl):
+    f = _fused_fn(mesh, 2, impl=impl)
+    return jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * ct),
+                            argnums=(0, 1)))
+
+  dx, dw = loss("fused")(x, w)
+  # Independent float32 reference of the same gradients.
+  dx_ref = jnp.matmul(ct, w.astype(jnp.float32).T, precision=lax.Precision.HIGHEST)
+  dw_ref = jnp.matmul(x.astype(jnp.float32).T, ct, precision=lax.Precision.HIGHEST)
+  assert _rel_err(dx, dx_ref) <= TOL[jnp.bfloat16]
+  assert _rel_err(dw, dw_ref) <= TOL[jnp.bfloat16]
+
+
+def test_compiled_hlo_has_the_custom_call_and_no_all_gather():
+  mesh = _mesh()
+  tp = mesh.shape["tp"]
+  x, w = _operands(13, (tp * 256, 256), (256, 128 * tp), jnp.bfloat16)
+  text = _fused_fn(mesh, 2).lower(x, w).compile().as_text()
+  assert any(t.startswith("jaxflux_all_gather_matmul") for t in _hlo.custom_call_targets(text))
+  assert _hlo.count_collectives(text).get("all-gather", 0) == 0
+
+
+@pytest.mark.parametrize("M,K,N", [(1000, 264, 136), (4096, 1024, 2048)])
+def test_gemm_only_mode_matches_float32_reference(M, K, N):
+  _mesh()
+  x, w = _operands(M, (M, K), (K, N), jnp.bfloat16)
+  got = jax.jit(lambda x, w: gemm(x, w, tile_order="all_gather_matmul"))(x, w)
+  assert _rel_err(got, _reference(x, w)) <= TOL[jnp.bfloat16]
+
+
+def test_a_peer_that_never_signals_times_out_instead_of_hanging():
+  mesh = _mesh()
+  tp = mesh.shape["tp"]
+  jaxflux.configure(timeout_s=2.0)
+  try:
+    x, w = _operands(17, (tp * 256, 256), (256, 128 * tp), jnp.bfloat16)
+
+    def make(skip):
+      body = lambda x, w: agm_module._fused(x, w, "tp", False, debug_skip_rank=skip)[0]
+      return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
+                                   out_specs=P(None, "tp")))
+
+    good, hang = make(-1), make(0)
+    good(x, w).block_until_ready()
+    start = time.monotonic()
+    hang(x, w).block_until_ready()
+    assert time.monotonic() - start < 15.0
+    with pytest.raises(RuntimeError, match=r"all_gather_matmul: rank 1 .* timed out .* rank 0"):
+      _runtime.check_errors()
+    # Epochs stay aligned: the next call is correct again.
+    assert _rel_err(good(x, w), _reference(x, w)) <= TOL[jnp.bfloat16]
+  finally:
+    jaxflux.configure(timeout_s=30.0)
+    _runtime.check_errors()

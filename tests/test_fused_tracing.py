@@ -1,0 +1,89 @@
+"""The fused AllGather+GEMM path as traced on any machine: which shapes it takes, what auto
+picks, and that its FFI call is typed like the XLA path under shard_map, so jax.grad traces
+(an earlier version typed x_full as unvarying and the custom_vjp backward failed on GPU only).
+The GPU is faked by patching the platform check; nothing here runs the kernel."""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxflux
+from jaxflux import _runtime
+from jaxflux.ops import _common
+from jaxflux.ops.gemm import gemm
+from conftest import make_mesh
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+  """Tracing as if a CUDA build and GPUs were present (the FFI target is never lowered)."""
+  monkeypatch.setattr(_common, "platform_reason", lambda: None)
+  monkeypatch.setattr(_runtime, "ensure_workspace", lambda nbytes: 0)
+  monkeypatch.setattr(_runtime, "target_name", lambda op: f"jaxflux_{op}")
+
+
+def _shard_mapped(fn, tp=2):
+  mesh = make_mesh((tp,), ("tp",))
+  return jax.shard_map(fn, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
+                       out_specs=P(None, "tp"))
+
+
+def _jaxpr_text(fn, *args) -> str:
+  return str(jax.make_jaxpr(fn)(*args))
+
+
+def test_fused_forward_and_grad_trace_with_matching_types(fake_gpu):
+  x = jnp.ones((8, 64), jnp.bfloat16)
+  w = jnp.ones((64, 32), jnp.bfloat16)
+  f = _shard_mapped(lambda x, w: jaxflux.all_gather_matmul(x, w, "tp", impl="fused"))
+  assert "jaxflux_all_gather_matmul" in _jaxpr_text(f, x, w)
+  loss = lambda x, w: jnp.sum(f(x, w).astype(jnp.float32))
+  text = _jaxpr_text(jax.grad(loss, argnums=(0, 1)), x, w)
+  assert "jaxflux_all_gather_matmul" in text
+
+
+def test_return_gathered_traces(fake_gpu):
+  x = jnp.ones((2, 8, 64), jnp.float16)
+  w = jnp.ones((64, 32), jnp.float16)
+  mesh = make_mesh((2,), ("tp",))
+  f = jax.shard_map(
+      lambda x, w: jaxflux.all_gather_matmul(x, w, "tp", impl="fused", return_gathered=True),
+      mesh=mesh, in_specs=(P(None, "tp", None), P(None, "tp")),
+      out_specs=(P(None, None, "tp"), P()), check_vma=False)
+  y, x_full = jax.eval_shape(f, x, w)
+  assert y.shape == (2, 8, 32) and x_full.shape == (2, 8, 64)
+
+
+@pytest.mark.parametrize("w_shape,kwargs,match", [
+    ((60, 32), {}, r"w shard is \[K, N\] = \[60, 16\]; .*multiples of 8"),
+    ((64, 36), {}, r"w shard is \[K, N\] = \[64, 18\]; .*multiples of 8"),
+    ((64, 32), {"preferred_element_type": jnp.float32}, r"preferred_element_type=float32"),
+])
+def test_fused_raises_for_shapes_it_does_not_take(fake_gpu, w_shape, kwargs, match):
+  x = jnp.ones((8, w_shape[0]), jnp.bfloat16)
+  w = jnp.ones(w_shape, jnp.bfloat16)
+  f = _shard_mapped(lambda x, w: jaxflux.all_gather_matmul(x, w, "tp", impl="fused", **kwargs))
+  with pytest.raises(jaxflux.FusedKernelUnavailableError, match=match):
+    jax.eval_shape(f, x, w)
+
+
+@pytest.mark.parametrize("tp,rows,fused", [
+    (2, 2048, True),     # measured ahead of XLA on 2xH200
+    (2, 8192, True),
+    (2, 1024, False),    # below the measured region
+    (4, 8192, False),    # tp=4 not measured yet
+])
+def test_auto_takes_fused_only_where_measured_ahead(fake_gpu, tp, rows, fused):
+  x = jnp.ones((rows, 64), jnp.bfloat16)
+  w = jnp.ones((64, 32 * tp), jnp.bfloat16)
+  f = _shard_mapped(lambda x, w: jaxflux.all_gather_matmul(x, w, "tp", impl="auto"), tp=tp)
+  text = _jaxpr_text(f, x, w)
+  assert ("jaxflux_all_gather_matmul" in text) == fused
+  assert ("all_gather[" in text or "all_gather " in text) == (not fused)
+
+
+def test_gemm_rejects_unknown_tile_order():
+  x = jax.ShapeDtypeStruct((8, 16), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((16, 8), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"tile_order='rows' is not one of"):
+    jax.eval_shape(lambda a, b: gemm(a, b, tile_order="rows"), x, w)

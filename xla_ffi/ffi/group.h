@@ -1,0 +1,48 @@
+// Where a device stands in its tensor-parallel group, found once and cached: either per
+// executable instance (XLA FFI state, the default) or per traced call site and device.
+// Shared by every communicating FFI handler so that the discovery logic exists once.
+#ifndef JAXFLUX_XLA_FFI_FFI_GROUP_H_
+#define JAXFLUX_XLA_FFI_FFI_GROUP_H_
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/runtime/signals.h"
+
+namespace jaxflux {
+
+// Ranks learned by one executable instance, per device of this process (XLA FFI state).
+struct RankState {
+  static xla::ffi::TypeId id;
+  std::mutex mu;
+  std::array<bool, kMaxDevices> known{};
+  std::array<GroupInfo, kMaxDevices> groups{};
+};
+
+// The group of `ordinal` for this call: from `state` when given (stateful targets), else from
+// the process-wide cache keyed by (site, ordinal). Runs DiscoverGroup (one host sync and a
+// rendezvous with the peers) the first time. `op` names the caller in errors.
+xla::ffi::Error ResolveGroup(const char* op, cudaStream_t stream, int ordinal, RankState* state,
+                             const int32_t* rank_info_device, int64_t site, int64_t tp,
+                             int64_t num_groups, GroupInfo* group);
+
+// What a communicating handler needs of every rank of its group: workspace arenas of one
+// generation and the per-device resources (streams, events, flag arrays).
+struct GroupResources {
+  DeviceResources* self = nullptr;                  // this device's (the caller locks self->mu)
+  std::array<DeviceResources*, kMaxRanks> ranks{};  // by rank
+  std::array<char*, kMaxRanks> arenas{};            // by rank; checked when need_arenas
+};
+
+// Fills `out` for `ordinal` in group `g`. Call with the device current (DeviceGuard).
+xla::ffi::Error GetGroupResources(const char* op, int64_t generation, int ordinal,
+                                  const GroupInfo& g, bool need_arenas, GroupResources* out);
+
+}  // namespace jaxflux
+
+#endif  // JAXFLUX_XLA_FFI_FFI_GROUP_H_

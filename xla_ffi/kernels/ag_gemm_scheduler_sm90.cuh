@@ -1,0 +1,180 @@
+// The tile scheduler of the fused AllGather+GEMM: CUTLASS's static persistent scheduler with two
+// changes, both applied where a warp fetches its next output tile.
+//   1. Order: M tiles are rotated so that this rank's own shard (already local, no wait) comes
+//      first; later tiles follow the order in which peers' shards arrive (rank+1, rank+2, ...).
+//   2. Readiness: before returning a tile, wait (bounded) until every chunk of A that the tile's
+//      rows touch has landed, then a proxy fence so the TMA loads (async proxy) that follow are
+//      ordered after the flag acquire (generic proxy).
+// Only the producer warp group waits (one lane per warp polls, the warp then syncs): the
+// consumer warp groups ask for the same tiles but block on the shared-memory pipeline that the
+// producer fills after its wait, so they need no flag of their own.
+#pragma once
+
+#include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler.hpp"
+#include "xla_ffi/kernels/ag_gemm_sm90.h"
+#include "xla_ffi/runtime/wait.cuh"
+
+namespace jaxflux {
+
+// Tag type that selects AgGemmScheduler in CUTLASS's GemmUniversal.
+struct AgGemmSchedulerTag {};
+
+template <int kTileM>
+class AgGemmScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+  using BaseParams = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Params;
+
+ public:
+  using WorkTileInfo = typename Base::WorkTileInfo;
+
+  struct Arguments : Base::Arguments {
+    AgGemmWait wait{};
+    int wait_for_flags = 1;
+    int tiles_m = 0;        // M tiles of the problem, rounded up to the cluster's M extent
+    int tile_shift = 0;     // rotation of M tiles (a multiple of the cluster's M extent)
+    int total_rows = 0;     // M
+  };
+
+  struct Params : BaseParams {
+    AgGemmWait wait{};
+    int wait_for_flags = 1;
+    int tiles_m = 0;
+    int tile_shift = 0;
+    int total_rows = 0;
+  };
+
+  template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
+  static Params to_underlying_arguments(ProblemShapeMNKL problem, TileShape tile,
+                                        ClusterShape cluster,
+                                        cutlass::KernelHardwareInfo const& hw_info,
+                                        Arguments const& args, void* workspace = nullptr,
+                                        const uint32_t epilogue_subtile = 1,
+                                        uint32_t ktile_start_alignment_count = 1u) {
+    Params params;
+    static_cast<BaseParams&>(params) = Base::to_underlying_arguments(
+        problem, tile, cluster, hw_info, args, workspace, epilogue_subtile,
+        ktile_start_alignment_count);
+    params.wait = args.wait;
+    params.wait_for_flags = args.wait_for_flags;
+    params.tiles_m = args.tiles_m;
+    params.tile_shift = args.tile_shift;
+    params.total_rows = args.total_rows;
+    return params;
+  }
+
+  CUTLASS_DEVICE explicit AgGemmScheduler(Params const& params)
+      : Base(static_cast<BaseParams const&>(params)),
+        wait_(params.wait),
+        wait_for_flags_(params.wait_for_flags),
+        tiles_m_(params.tiles_m),
+        tile_shift_(params.tile_shift),
+        total_rows_(params.total_rows) {}
+
+  template <class ClusterShape>
+  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
+    if (wait_for_flags_ && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) CheckRank();
+    return Prepare(Base::get_current_work());
+  }
+
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) {
+    Base::advance_to_next_work();
+    return cute::make_tuple(Prepare(Base::get_current_work()), true);
+  }
+
+  template <class Pipeline, class PipelineState>
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo info, Pipeline&, PipelineState) {
+    return fetch_next_work(info);
+  }
+
+ private:
+  CUTLASS_DEVICE WorkTileInfo Prepare(WorkTileInfo work) const {
+    if (!work.is_valid()) return work;
+    work.M_idx = (work.M_idx + tile_shift_) % tiles_m_;
+    if (wait_for_flags_) WaitForRows(work.M_idx * kTileM);
+    return work;
+  }
+
+  // Threads [0, 128) are the producer warp group of CUTLASS's sm90 warp-specialized kernels.
+  static constexpr int kProducerThreads = 128;
+
+  // Waits for the chunks behind rows [row0, row0 + kTileM) of A.
+  CUTLASS_DEVICE void WaitForRows(int row0) const {
+    if (threadIdx.x >= kProducerThreads) return;
+    const int end = min(row0 + kTileM, total_rows_);
+    const int m = wait_.rows_per_shard;
+    for (int row = row0; row < end;) {
+      const int in_batch = row % (wait_.tp * m);
+      const int source = in_batch / m;
+      const int local = in_batch % m;
+      const int chunk = local / wait_.chunk_rows;
+      Wait(source, chunk);
+      row += min(m, (chunk + 1) * wait_.chunk_rows) - local;  // next chunk or shard boundary
+    }
+    if (row0 < end) asm volatile("fence.proxy.async.global;" ::: "memory");
+  }
+
+  CUTLASS_DEVICE void Wait(int source, int chunk) const {
+    const unsigned lanes = __activemask();
+    if ((threadIdx.x & 31) == __ffs(lanes) - 1) Poll(source, chunk);
+    __syncwarp(lanes);  // orders the other lanes after the leader's acquire
+  }
+
+  CUTLASS_DEVICE void Poll(int source, int chunk) const {
+    const uint64_t* flag = wait_.flags[source];
+    const uint64_t target = wait_.flag_base + static_cast<uint64_t>(chunk) + 1;
+    uint64_t seen = device::LoadAcquireSys(flag);
+    if (seen >= target) return;
+    const uint64_t start = device::GlobalTimerNs();
+    for (uint32_t spins = 1; seen < target; ++spins) {
+      if ((spins & 63u) == 0) {
+        // Stop at once when any wait has already failed (the results are void anyway), so a
+        // dead peer costs one timeout, not one per tile.
+        if (wait_.error != nullptr && *reinterpret_cast<volatile int32_t*>(&wait_.error->ready)) {
+          return;
+        }
+        if (device::GlobalTimerNs() - start > wait_.timeout_ns) {
+          device::RecordError(wait_.error, ErrorKind::kTimeout,
+                              static_cast<int32_t>(OpCode::kAllGatherMatmul), wait_.device,
+                              wait_.rank, source, wait_.group, target, seen, wait_.epoch,
+                              wait_.timeout_ns);
+          return;
+        }
+      }
+      __nanosleep(128);
+      seen = device::LoadAcquireSys(flag);
+    }
+  }
+
+  // The rank cached at discovery must match this program's operand, or data lands in the wrong
+  // rows (see docs/runtime.md, "site" rank cache).
+  CUTLASS_DEVICE void CheckRank() const {
+    if (wait_.rank_info == nullptr) return;
+    const int32_t rank = wait_.rank_info[0];
+    const int32_t group = wait_.rank_info[1];
+    if (rank != wait_.rank || group != wait_.group) {
+      device::RecordError(wait_.error, ErrorKind::kRankMismatch,
+                          static_cast<int32_t>(OpCode::kAllGatherMatmul), wait_.device,
+                          wait_.rank, rank, group, 0, 0, wait_.epoch, 0);
+    }
+  }
+
+  AgGemmWait wait_;
+  int wait_for_flags_;
+  int tiles_m_;
+  int tile_shift_;
+  int total_rows_;
+};
+
+}  // namespace jaxflux
+
+namespace cutlass::gemm::kernel::detail {
+
+template <class TileShape, class ClusterShape, uint32_t SchedulerPipelineStageCount>
+struct TileSchedulerSelector<jaxflux::AgGemmSchedulerTag, arch::Sm90, TileShape, ClusterShape,
+                             SchedulerPipelineStageCount> {
+  using Scheduler =
+      jaxflux::AgGemmScheduler<std::decay_t<decltype(cute::get<0>(TileShape{}))>::value>;
+};
+
+}  // namespace cutlass::gemm::kernel::detail

@@ -1,0 +1,71 @@
+// The fused AllGather+GEMM kernel: the sm90 GEMM of gemm_sm90.cuh with the AllGather tile
+// scheduler (ag_gemm_scheduler_sm90.cuh). One .cu per element type instantiates it.
+#pragma once
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "xla_ffi/kernels/ag_gemm_scheduler_sm90.cuh"
+#include "xla_ffi/kernels/gemm_sm90.cuh"
+
+namespace jaxflux::ag_gemm_sm90 {
+
+template <class Element>
+using Config = gemm_sm90::Config<Element, AgGemmSchedulerTag>;
+
+// Swizzle of the tile order (CUTLASS max_swizzle_size: 1, 2, 4 or 8 M-tile cluster rows swept
+// together along N, for L2 reuse of B). 4 measured best for the fused kernel on llama70b-fc1
+// (benchmarks/README.md); JAXFLUX_GEMM_SWIZZLE overrides it for measurements.
+inline int Swizzle() {
+  static const int value = [] {
+    const char* env = std::getenv("JAXFLUX_GEMM_SWIZZLE");
+    const int s = env ? std::atoi(env) : 4;
+    return (s == 1 || s == 2 || s == 4 || s == 8) ? s : 4;
+  }();
+  return value;
+}
+
+// SMs left out of the persistent grid (JAXFLUX_AG_GEMM_SM_MARGIN, default 0): a measurement knob
+// for whether anything on the side stream needs an SM while the GEMM spins.
+inline int SmMargin() {
+  static const int value = [] {
+    const char* env = std::getenv("JAXFLUX_AG_GEMM_SM_MARGIN");
+    return env ? std::max(0, std::atoi(env)) : 0;
+  }();
+  return value;
+}
+
+template <class Element>
+typename Config<Element>::Gemm::Arguments MakeArguments(const AgGemmProblem& p) {
+  using C = Config<Element>;
+  constexpr int kTileM = cute::get<0>(typename C::Tile{});
+  constexpr int kClusterM = cute::get<0>(typename C::Cluster{});
+  auto args = gemm_sm90::MakeArguments<C>(p.gemm);
+  args.hw_info.sm_count = std::max(1, args.hw_info.sm_count - SmMargin());
+  auto& s = args.scheduler;
+  using Options = typename C::Kernel::TileScheduler::RasterOrderOptions;
+  // Along N: consecutive tiles share their A rows, so the kernel sweeps the gathered rows in
+  // order (own shard first, then as peers' shards arrive).
+  s.raster_order = Options::AlongN;
+  s.max_swizzle_size = Swizzle();
+  s.wait = p.wait;
+  s.wait_for_flags = p.wait_for_flags;
+  const int tiles = (p.gemm.m + kTileM - 1) / kTileM;
+  s.tiles_m = (tiles + kClusterM - 1) / kClusterM * kClusterM;
+  const long long first_row = static_cast<long long>(p.wait.rank) * p.wait.rows_per_shard;
+  s.tile_shift = static_cast<int>(first_row / kTileM) / kClusterM * kClusterM % s.tiles_m;
+  s.total_rows = p.gemm.m;
+  return args;
+}
+
+template <class Element>
+size_t WorkspaceBytes(const AgGemmProblem& p) {
+  return Config<Element>::Gemm::get_workspace_size(MakeArguments<Element>(p));
+}
+
+template <class Element>
+const char* Run(const AgGemmProblem& p, void* workspace, cudaStream_t stream) {
+  return gemm_sm90::Launch<Config<Element>>(MakeArguments<Element>(p), workspace, stream);
+}
+
+}  // namespace jaxflux::ag_gemm_sm90

@@ -1,0 +1,50 @@
+// AllGather+GEMM on Hopper: the GEMM half. D[M,N] = A[M,K] · B[K,N] where A is the gathered input
+// that copy engines are still filling while the kernel runs. Before a CTA loads A for an output
+// tile it waits (bounded) on the "landed" flags of the shard chunks the tile's rows come from.
+// Plain C++ interface: the FFI handler never sees CUTLASS.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "xla_ffi/kernels/gemm_sm90.h"
+#include "xla_ffi/kernels/signal_kernels.h"
+
+namespace jaxflux {
+
+inline constexpr int kAgGemmMaxRanks = 8;
+
+// Where A's rows come from and how the kernel learns that they have landed.
+// A = [batch][tp][rows_per_shard][K]: rank p's shard of batch entry b starts at row
+// (b*tp + p)*rows_per_shard. Chunk c of rank p (rows [c*chunk_rows, (c+1)*chunk_rows) of each
+// shard) has landed once *flags[p] >= flag_base + c + 1; chunks land in order.
+struct AgGemmWait {
+  const uint64_t* flags[kAgGemmMaxRanks];  // this device's flag for each source rank
+  uint64_t flag_base;      // epoch * kMaxChunks
+  int rows_per_shard;      // m (rows of one batch entry of one rank's shard)
+  int chunk_rows;          // rows per chunk (>= rows_per_shard when a shard is one chunk)
+  int tp;
+  int rank;                // this device: its shard's tiles are computed first
+  uint64_t timeout_ns;     // per wait; a timed-out wait records the error and stops waiting
+  uint64_t epoch;
+  int32_t device;
+  const int32_t* rank_info;  // [axis_index, group] operand, checked against rank/group
+  int32_t group;
+  DeviceErrorRecord* error;
+};
+
+struct AgGemmProblem {
+  GemmProblem gemm;        // a = the gathered buffer (workspace), m = batch*tp*rows_per_shard
+  AgGemmWait wait;
+  int wait_for_flags;      // 0: GEMM-only mode (no waits; what fusion costs the GEMM itself)
+};
+
+size_t AgGemmSm90WorkspaceBytes(GemmDtype dtype, const AgGemmProblem& problem);
+
+// Launches on `stream`. Returns a static string describing the failure, or nullptr.
+const char* AgGemmSm90(GemmDtype dtype, const AgGemmProblem& problem, void* workspace,
+                       cudaStream_t stream);
+
+}  // namespace jaxflux
