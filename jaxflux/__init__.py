@@ -6,7 +6,7 @@ Flax layers (global view, under `jit` with a mesh): `jaxflux.Dense` (Linen), `ja
 from jaxflux._runtime import check_errors, configure, has_cuda
 from jaxflux.ops import FusedKernelUnavailableError, all_gather_matmul, matmul_reduce_scatter
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Dense",

@@ -186,8 +186,8 @@ class _FakePallas:
 
 
 def test_pallas_sweep_logic(shapes_file, tmp_path, monkeypatch):
-  monkeypatch.setattr(bench, "_is_gpu", lambda: True)
-  monkeypatch.setattr(bench, "_pallas_module", lambda: _FakePallas)
+  monkeypatch.setattr(bench.variants, "is_gpu", lambda: True)
+  monkeypatch.setattr(bench.variants, "_pallas_module", lambda: _FakePallas)
   result = _run("ag_gemm", shapes_file, tmp_path, "--variants", "xla,pallas", "--chain", "perturb")
   (row,) = result["rows"]
   sweep = row["pallas_sweep"]

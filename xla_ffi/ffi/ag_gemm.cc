@@ -186,7 +186,8 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   // The local shard goes into A on the main stream, before the GEMM. Not on the side stream: a
   // copy within one device runs as a kernel, which needs an SM, and the GEMM holds every SM while
   // it waits for that copy (measured on 2xH200: the wait timed out, even with the driver asked
-  // to prefer a copy engine). Costs ~2 bytes/row·K of HBM time serially (~45 µs for 64 MiB).
+  // to prefer a copy engine). Costs one read and write of the shard, serially (~45 µs for 64 MiB
+  // on H200).
   for (size_t b = 0; b < s.batch; ++b) {
     JAXFLUX_CUDA(cudaMemcpyAsync(my_arena + parity_offset + b * a_pitch + rank * entry_bytes,
                                  x_base + b * entry_bytes, entry_bytes, cudaMemcpyDeviceToDevice,

@@ -1,0 +1,181 @@
+"""The command line: arguments, the run of every row into one JSON record, and `main`."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import sys
+from typing import Any
+
+import jax
+
+from jaxflux.bench.config import (CHILD_MARKER, DEFAULT_VARIANTS, DEFINITIONS, EXTRA_VARIANTS,
+                                  OP_VARIANTS, OPS, WINDOWED_FLAGS, repo_root)
+from jaxflux.bench.inputs import make_mesh
+from jaxflux.bench.machine import machine_info, versions
+from jaxflux.bench.measure import bench_row
+from jaxflux.bench.output import output_path, write_json
+from jaxflux.bench.rows import build_rows, find_shapes_file
+from jaxflux.bench.table import format_table
+from jaxflux.bench.timing import chain_kind
+from jaxflux.bench.variants import PALLAS_CONFIGS, pallas_config_name
+from jaxflux.bench.windowed import (merge_windowed, platforms_exclude_gpu, run_child,
+                                    run_windowed_child)
+
+
+def _row_summary(r: dict) -> str:
+  parts = [f"{v}={t:.4f}" for v, t in r["ms"].items() if t is not None]
+  text = "ms " + " ".join(parts)
+  if r.get("speedup_vs_xla") is not None:
+    text += f" | speedup_vs_xla={r['speedup_vs_xla']:.3f}"
+  if r.get("overlap_efficiency") is not None:
+    text += f" E={r['overlap_efficiency']:.2f}"
+  return text
+
+
+def _csv(cast):
+  def parse(text):
+    return [cast(t) for t in text.split(",") if t.strip()]
+  return parse
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(
+      prog="python -m jaxflux.bench",
+      description="Times the variants of one tensor-parallel op side by side and writes JSON "
+                  "under benchmarks/results/ (see benchmarks/README.md).")
+  p.add_argument("--op", required=True, choices=OPS)
+  p.add_argument("--shapes", type=_csv(str), default=None,
+                 help="comma-separated shape names from the shapes file (default: all)")
+  p.add_argument("--M", type=_csv(int), default=None,
+                 help="comma-separated global token counts (default: the shapes file's M list)")
+  p.add_argument("--sizes-mib", type=_csv(float), default=None,
+                 help="all_gather only: per-device shard sizes in MiB instead of the shapes")
+  p.add_argument("--dtype", default="bfloat16", help="input dtype (default bfloat16)")
+  p.add_argument("--tp", type=int, default=None, help="devices on the tp axis (default: all)")
+  p.add_argument("--iters", type=int, default=100, help="op calls per timed run (default 100)")
+  p.add_argument("--warmup", type=int, default=10,
+                 help="untimed calls before timing, run as whole timed runs, at least one "
+                      "(default 10)")
+  p.add_argument("--repeats", type=int, default=5,
+                 help="timed runs per variant, interleaved (default 5)")
+  p.add_argument("--variants", type=_csv(str), default=list(DEFAULT_VARIANTS),
+                 help=f"comma-separated, any of {DEFAULT_VARIANTS + EXTRA_VARIANTS} "
+                      f"(default {','.join(DEFAULT_VARIANTS)})")
+  p.add_argument("--timing", choices=("auto", "loop", "dispatch"), default="auto",
+                 help="loop: calls chained in one jitted fori_loop; dispatch: Python loop of "
+                      "async jitted calls, one sync; auto (default): dispatch on GPU (loop mode "
+                      "timed collectives impossibly fast there, 1042 GB/s for a 16 MiB "
+                      "all-gather on 2xH200), loop elsewhere (queued CPU collectives deadlock)")
+  p.add_argument("--chain", choices=("auto", "barrier", "perturb"), default="auto",
+                 help="how loop-mode calls are made to depend on each other: barrier "
+                      "(free; GPU), perturb (one tiny kernel per call; works everywhere); auto "
+                      "picks barrier on GPU, perturb elsewhere")
+  p.add_argument("--rotate-mib", type=float, default=256.0,
+                 help="rotate among up to 8 input sets until their per-device bytes reach this "
+                      "(keeps small shapes out of L2); 0 = one set (default 256)")
+  p.add_argument("--seed", type=int, default=0, help="random data seed (default 0)")
+  p.add_argument("--out", default=None,
+                 help="output folder (default: benchmarks/results/ of the repo) or a .json path")
+  p.add_argument("--shapes-file", default=None,
+                 help="default: shared/bench/shapes.json beside the repo (../shared) or in it")
+  p.add_argument("--child-timeout", type=float, default=3600.0, help=argparse.SUPPRESS)
+  p.add_argument("--_windowed-child", dest="_windowed_child", action="store_const", const=True,
+                 default=False, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  unknown = [v for v in args.variants if v not in DEFAULT_VARIANTS + EXTRA_VARIANTS]
+  if unknown:
+    p.error(f"--variants: unknown {unknown}; choose from {DEFAULT_VARIANTS + EXTRA_VARIANTS}")
+  if args.sizes_mib and args.op != "all_gather":
+    p.error("--sizes-mib applies to --op all_gather only")
+  for name in ("iters", "repeats"):
+    if getattr(args, name) < 1:
+      p.error(f"--{name} must be >= 1")
+  return args
+
+
+def run(argv: list[str] | None = None, log=print) -> dict:
+  """Runs the benchmark described by command-line style `argv`; returns the result dict (also
+  written as JSON, see --out)."""
+  args = parse_args(argv)
+  if args.timing == "auto":
+    args.timing = "dispatch" if jax.default_backend() == "gpu" else "loop"
+  if args._windowed_child:
+    return run_child(args)
+  shapes_path = None if args.op == "all_gather" and args.sizes_mib else find_shapes_file(
+      args.shapes_file)
+  shapes = json.loads(shapes_path.read_text()) if shapes_path else {}
+  argv = list(sys.argv[1:] if argv is None else argv)
+  variants = list(dict.fromkeys(args.variants))
+  stamp = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+
+  # The windowed child runs first, before this process starts its backends and claims
+  # (by default 75% of) GPU memory; it builds the same rows from the same arguments.
+  child = None
+  want_windowed = "xla_windowed" in variants and "xla_windowed" in OP_VARIANTS[args.op]
+  if want_windowed:
+    child = platforms_exclude_gpu()
+    child = {"skipped": child} if child else run_windowed_child(args, argv, shapes_path, log=log)
+
+  mesh = make_mesh(args.tp or len(jax.devices()))
+  tp = mesh.devices.size
+  rows = build_rows(args, shapes, tp)
+  platform = jax.default_backend()
+  result: dict[str, Any] = {
+      "command": "python -m jaxflux.bench " + shlex.join(argv),
+      "argv": argv,
+      # Knobs that change what is measured (JAXFLUX_AG_ABLATE, JAXFLUX_AG_MAX_CHUNKS, XLA_FLAGS).
+      "env": {k: v for k, v in sorted(os.environ.items())
+              if k.startswith("JAXFLUX_") or k == "XLA_FLAGS"},
+      "date": stamp.isoformat().replace("+00:00", "Z"),
+      "machine": machine_info(),
+      "versions": versions(),
+      "settings": {
+          "op": args.op, "tp": tp, "dtype": args.dtype, "iters": args.iters,
+          "warmup": args.warmup, "repeats": args.repeats, "timing": args.timing,
+          "chain": chain_kind(args) if args.timing == "loop" else None,
+          "rotate_mib": args.rotate_mib, "seed": args.seed, "variants": variants,
+          "shapes_file": os.path.relpath(shapes_path, repo_root()) if shapes_path else None,
+          "pallas_configs": ([pallas_config_name(c) for c in PALLAS_CONFIGS]
+                             if args.op == "ag_gemm" else None),
+          "xla_flags": os.environ.get("XLA_FLAGS", ""),
+          "windowed_flags": list(WINDOWED_FLAGS),
+      },
+      "definitions": DEFINITIONS,
+      "rows": [],
+  }
+  out_path = output_path(args, platform, tp, stamp)
+  out_path.parent.mkdir(parents=True, exist_ok=True)
+  for i, row in enumerate(rows):
+    log(f"[bench] row {i + 1}/{len(rows)}: {row.op} {row.name} M={row.M} K={row.K} N={row.N} "
+        f"tp={row.tp} {row.dtype}", flush=True)
+    record = bench_row(row, mesh, variants, args, log=log)
+    record["key"] = row.key()
+    if want_windowed:
+      merge_windowed(record, child)
+    record.pop("key")
+    result["rows"].append(record)
+    log("        " + _row_summary(record), flush=True)
+    # Written after every row so that a run cut short keeps what it measured.
+    write_json(out_path, result)
+  try:  # repo-relative where it can be, so committed records name no local folders
+    result["output"] = str(out_path.resolve().relative_to(repo_root()))
+  except ValueError:
+    result["output"] = str(out_path)
+  write_json(out_path, result)
+  result["output"] = str(out_path)
+  log(format_table(result))
+  log(f"[bench] wrote {out_path}")
+  return result
+
+
+def main(argv: list[str] | None = None) -> int:
+  args_list = sys.argv[1:] if argv is None else argv
+  if "--_windowed-child" in args_list:
+    result = run(args_list)
+    print(CHILD_MARKER + json.dumps(result), flush=True)
+    return 0
+  run(args_list)
+  return 0

@@ -1,0 +1,70 @@
+"""The mesh and the random input arrays of a row, placed with the sharding each variant expects."""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import zlib
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from jaxflux.bench.config import AXIS
+from jaxflux.bench.rows import Row
+
+
+def make_mesh(tp: int) -> Mesh:
+  devices = jax.devices()
+  if tp > len(devices):
+    raise ValueError(f"--tp {tp}: only {len(devices)} local devices")
+  return Mesh(np.asarray(devices[:tp]), (AXIS,), axis_types=(AxisType.Auto,))
+
+
+def _input_layouts(row: Row) -> dict[str, tuple[tuple[int, ...], P]]:
+  """Global shape and PartitionSpec of every array a row's variants take."""
+  M, K, N, tp = row.M, row.K, row.N, row.tp
+  if row.op == "all_gather":
+    return {"x": ((M, K), P(AXIS, None))}
+  if row.op == "ag_gemm":
+    return {"x": ((M, K), P(AXIS, None)), "w": ((K, N), P(None, AXIS)),
+            # gemm: each device multiplies its own full [M, K] by its w shard.
+            "x_full": ((tp * M, K), P(AXIS, None))}
+  return {"x": ((M, K), P(None, AXIS)), "w": ((K, N), P(AXIS, None)),
+          # comm: each device reduce-scatters its own [M, N] partial.
+          "partial": ((tp * M, N), P(AXIS, None))}
+
+
+def _main_input_bytes_per_device(row: Row) -> int:
+  names = ("x",) if row.op == "all_gather" else ("x", "w")
+  layouts = _input_layouts(row)
+  return sum(math.prod(layouts[n][0]) for n in names) // row.tp * row.itemsize
+
+
+def input_set_count(row: Row, rotate_mib: float) -> int:
+  """How many independent input sets to rotate through so repeated calls don't run from L2."""
+  if rotate_mib <= 0:
+    return 1
+  return int(min(8, max(1, math.ceil(rotate_mib * 2**20 / _main_input_bytes_per_device(row)))))
+
+
+@functools.lru_cache(maxsize=64)
+def _generator(shape: tuple[int, ...], dtype: str, sharding: NamedSharding) -> Callable:
+  return jax.jit(lambda key: jax.random.normal(key, shape, jnp.dtype(dtype)),
+                 out_shardings=sharding)
+
+
+def make_inputs(row: Row, mesh: Mesh, n_sets: int, seed: int) -> list[dict[str, jax.Array]]:
+  """Fresh standard-normal arrays (never zeros), generated in place with their final sharding."""
+  sets = []
+  base = jax.random.fold_in(jax.random.key(seed), zlib.crc32(json.dumps(row.key()).encode()) >> 1)
+  for s in range(n_sets):
+    arrays = {}
+    for i, (name, (shape, spec)) in enumerate(sorted(_input_layouts(row).items())):
+      key = jax.random.fold_in(jax.random.fold_in(base, s), i)
+      arrays[name] = _generator(shape, row.dtype, NamedSharding(mesh, spec))(key)
+    sets.append(arrays)
+  jax.block_until_ready(sets)
+  return sets

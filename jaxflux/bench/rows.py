@@ -1,0 +1,115 @@
+"""Benchmark rows: the `Row` of one shape, the shapes file, and the rows a command line asks for."""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax.numpy as jnp
+
+from jaxflux.bench.config import repo_root
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One benchmark row. M, K, N are the global GEMM shape y[M, N] = x[M, K] @ w[K, N]
+  (for all_gather: the gathered array is [M, K] and N is unused, 0)."""
+  op: str
+  name: str
+  M: int
+  K: int
+  N: int
+  tp: int
+  dtype: str
+
+  @property
+  def itemsize(self) -> int:
+    return jnp.dtype(self.dtype).itemsize
+
+  @property
+  def flops_per_device(self) -> int:
+    return 0 if self.op == "all_gather" else 2 * self.M * self.K * self.N // self.tp
+
+  @property
+  def comm_bytes_per_device(self) -> int:
+    """Bytes each device receives in the collective ((tp-1) chunks)."""
+    chunk = self.M // self.tp * (self.N if self.op == "gemm_rs" else self.K)
+    return (self.tp - 1) * chunk * self.itemsize
+
+  @property
+  def per_device_shapes(self) -> dict:
+    m, k, n = self.M // self.tp, self.K // self.tp, self.N // self.tp
+    if self.op == "all_gather":
+      return {"x": [m, self.K], "out": [self.M, self.K]}
+    if self.op == "ag_gemm":
+      return {"x": [m, self.K], "w": [self.K, n], "out": [self.M, n]}
+    return {"x": [self.M, k], "w": [k, self.N], "out": [m, self.N]}
+
+  def key(self) -> list:
+    return [self.op, self.name, self.M, self.K, self.N, self.tp, self.dtype]
+
+
+def find_shapes_file(explicit: str | None) -> pathlib.Path:
+  """--shapes-file, else shared/bench/shapes.json beside or inside the repo (or the cwd), else
+  the copy in benchmarks/shapes.json."""
+  if explicit:
+    path = pathlib.Path(explicit)
+    if not path.is_file():
+      raise FileNotFoundError(f"--shapes-file {explicit}: no such file")
+    return path
+  roots = (repo_root(), pathlib.Path.cwd())
+  candidates = [r / sub / "bench" / "shapes.json" for r in roots for sub in ("../shared", "shared")]
+  candidates.append(repo_root() / "benchmarks" / "shapes.json")  # the copy committed with the repo
+  for path in candidates:
+    if path.is_file():
+      return path.resolve()
+  raise FileNotFoundError("shapes.json not found; looked in " + ", ".join(map(str, candidates)) +
+                          ". Pass --shapes-file PATH.")
+
+
+def _all_gather_width(elements: int) -> int:
+  k = 8192
+  while k > 1 and (elements % k or elements < k):
+    k //= 2
+  return k
+
+
+def build_rows(args, shapes: dict, tp: int) -> list[Row]:
+  """The rows to run, from shapes.json filtered by --shapes/--M, or --sizes-mib for all_gather."""
+  ms = args.M or list(shapes.get("M", []))
+  if args.op == "all_gather" and args.sizes_mib:
+    rows = []
+    itemsize = jnp.dtype(args.dtype).itemsize
+    for mib in args.sizes_mib:
+      elements = int(round(mib * 2**20 / itemsize))
+      k = _all_gather_width(elements)
+      rows.append(Row("all_gather", f"{mib:g}MiB", elements // k * tp, k, 0, tp, args.dtype))
+    return rows
+  table = shapes.get("ag_gemm" if args.op == "all_gather" else args.op, [])
+  if args.shapes:
+    known = {s["name"] for s in table}
+    missing = [n for n in args.shapes if n not in known]
+    if missing:
+      raise ValueError(f"--shapes: unknown name(s) {missing}; the shapes file has {sorted(known)}")
+    table = [s for s in table if s["name"] in args.shapes]
+  rows: list[Row] = []
+  if args.op == "all_gather":
+    # The AllGather+GEMM shapes' [M/tp, K] shards; shapes that share K share a row.
+    names_by_k: dict[int, list[str]] = {}
+    for s in table:
+      names_by_k.setdefault(int(s["K"]), []).append(s["name"])
+    for m in ms:
+      for k, names in names_by_k.items():
+        rows.append(Row("all_gather", "+".join(names), int(m), k, 0, tp, args.dtype))
+  else:
+    for s in table:
+      for m in ms:
+        rows.append(Row(args.op, s["name"], int(m), int(s["K"]), int(s["N"]), tp, args.dtype))
+  for row in rows:
+    sharded = {"M": row.M, "N": row.N} if row.op == "ag_gemm" else {"M": row.M}
+    if row.op == "gemm_rs":
+      sharded["K"] = row.K
+    for dim, size in sharded.items():
+      if size % tp:
+        raise ValueError(f"row {row.name}: {dim}={size} is not divisible by tp={tp}; pick "
+                         "another --M / --tp.")
+  return rows

@@ -1,0 +1,46 @@
+"""The table printed at the end of a run."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def _fmt(x, spec=".3f"):
+  return "-" if x is None else format(x, spec)
+
+
+def format_table(result: dict) -> str:
+  rows = result["rows"]
+  if not rows:
+    return "(no rows)"
+  op = rows[0]["op"]
+  lines = []
+  if op == "all_gather":
+    head = f"{'name':<28}{'M':>7}{'K':>7}{'MiB/dev':>9}{'xla ms':>9}{'jaxflux':>9}" \
+           f"{'xla GB/s':>10}{'jf GB/s':>9}{'speedup':>9}"
+    lines.append(head)
+    for r in rows:
+      mib = r["M"] // r["tp"] * r["K"] * jnp.dtype(r["dtype"]).itemsize / 2**20
+      lines.append(f"{r['name']:<28}{r['M']:>7}{r['K']:>7}{mib:>9.2f}{_fmt(r['ms']['xla']):>9}"
+                   f"{_fmt(r['ms'].get('jaxflux')):>9}{_fmt(r['gbps']['xla'], '.1f'):>10}"
+                   f"{_fmt(r['gbps'].get('jaxflux'), '.1f'):>9}"
+                   f"{_fmt(r['speedup_vs_xla'], '.3f'):>9}")
+  else:
+    cols = [v for v in ("gemm", "gemm_only", "comm", "xla", "xla_windowed", "pallas", "jaxflux", "auto",
+                        "xla_gspmd") if v in rows[0]["ms"]]
+    short = {"xla_windowed": "xla_win", "xla_gspmd": "gspmd", "gemm_only": "gemm_jf"}
+    head = f"{'name':<16}{'M':>7}{'K':>7}{'N':>7}" + "".join(
+        f"{short.get(c, c):>9}" for c in cols) + f"{'TF/s jf':>9}{'spd':>7}{'E jf':>7}{'E xla':>7}"
+    lines.append(head + "   (ms per call; E = overlap efficiency)")
+    for r in rows:
+      line = f"{r['name']:<16}{r['M']:>7}{r['K']:>7}{r['N']:>7}"
+      line += "".join(f"{_fmt(r['ms'].get(c)):>9}" for c in cols)
+      line += f"{_fmt(r['tflops'].get('jaxflux'), '.0f'):>9}{_fmt(r['speedup_vs_xla']):>7}"
+      line += f"{_fmt(r['overlap_efficiency'], '.2f'):>7}"
+      line += f"{_fmt(r['overlap_efficiency_all'].get('xla'), '.2f'):>7}"
+      lines.append(line)
+  notes = sorted({f"{v}: {e}" for r in rows for v, e in r["errors"].items()
+                  if e not in ("not requested",)})
+  if notes:
+    lines.append("null variants / errors:")
+    lines.extend("  " + (n if len(n) < 200 else n[:200] + "...") for n in notes)
+  return "\n".join(lines)

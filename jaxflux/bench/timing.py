@@ -1,0 +1,147 @@
+"""Timed runs of a variant: calls chained in one jitted loop, or dispatched one by one."""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxflux.bench.config import AXIS
+from jaxflux.bench.machine import is_gpu
+from jaxflux.bench.variants import Variant
+
+
+def chain_kind(args) -> str:
+  """--chain auto: the free barrier on GPU, the data dependency elsewhere (see `_chain`)."""
+  if args.chain != "auto":
+    return args.chain
+  return "barrier" if is_gpu() else "perturb"
+
+
+def _chain(fn: Callable, sets: list[tuple], n_outer: int, chain: str, eps,
+           constrain: Callable = lambda a: a):
+  """Calls fn on sets[0], then n_outer times on each of sets[1:] + sets[:1] in turn, every
+  call made to depend on the previous call's output y, so that XLA can neither hoist a call out
+  of the loop, merge calls on the same inputs, nor overlap one call with the next.
+
+  chain "barrier": the first input passes through `lax.optimization_barrier` with y. Free at
+    run time; relies on the barrier surviving XLA's loop optimizations, which holds on GPU (the
+    GPU compiler removes barriers only after scheduling) but not on CPU (seen: the CPU compiler
+    hoisted the whole loop body out).
+  chain "perturb": adds eps * y[0, ..., 0] (eps a run-time 0.0 the compiler cannot see) to
+    element [0, ..., 0] of the first input, in place: a true data dependency on any platform,
+    for the price of one tiny kernel per call.
+  """
+  order = list(range(1, len(sets))) + [0]
+
+  def depend(args, y):
+    first = args[0]
+    if chain == "barrier":  # only the first input: the others need not pass through it
+      first, _ = lax.optimization_barrier((first, y))
+      return (first,) + tuple(args[1:])
+    corner = (0,) * first.ndim
+    nudge = (eps * y[(0,) * y.ndim]).astype(first.dtype)
+    first = lax.dynamic_update_slice(first, first[tuple(slice(0, 1) for _ in corner)] + nudge,
+                                     corner)
+    return (first,) + tuple(args[1:])
+
+  perturb = chain == "perturb"
+
+  def body(_, carry):
+    # Under "perturb" the nudged first inputs are carried, so each call sees the last nudge.
+    firsts, y = carry
+    firsts = list(firsts)
+    for s in order:
+      first = firsts[s] if perturb else sets[s][0]
+      args = constrain(depend((first,) + tuple(sets[s][1:]), y))
+      if perturb:
+        firsts[s] = args[0]
+      y = constrain(fn(*args))
+    return tuple(firsts), y
+
+  y = constrain(fn(*sets[0]))
+  firsts = tuple(s[0] for s in sets) if perturb else ()
+  return lax.fori_loop(0, n_outer, body, (firsts, y))[1]
+
+
+class _Timed:
+  """A compiled timed run of one variant: `calls` op invocations, one sync at the end.
+
+  mode "loop": one jitted program runs the calls in a `lax.fori_loop` (see `_chain`), so there
+    is no per-call dispatch at all; this is the default and suits any op size.
+  mode "dispatch": a Python loop dispatches a jitted single call `calls` times asynchronously,
+    then blocks once (what DESIGN.md's baseline numbers used); fine for ms-scale ops, but host
+    dispatch (tens of µs a call) shows through on small ones. On CPU every call is waited for
+    (queued multi-device CPU programs can deadlock in XLA's in-process collectives).
+  """
+
+  def __init__(self, variant: Variant, mesh: Mesh, input_sets: list[dict], iters: int, mode: str,
+               chain: str):
+    self.variant = variant
+    self.mode = mode
+    self.sync_each = mode == "dispatch" and not is_gpu()
+    n_sets = len(input_sets)
+    self.args = [tuple(s[n] for n in variant.inputs) for s in input_sets]
+    out_sharding = None
+    if variant.gspmd_out_spec is not None:
+      out_sharding = NamedSharding(mesh, variant.gspmd_out_spec)
+      in_shardings = tuple(a.sharding for a in self.args[0])
+
+      def constrain(t):
+        if isinstance(t, tuple):
+          return tuple(lax.with_sharding_constraint(a, s) for a, s in zip(t, in_shardings))
+        return lax.with_sharding_constraint(t, out_sharding)
+    else:
+      constrain = lambda t: t  # noqa: E731
+    layouts = tuple(a.sharding.spec for a in self.args[0])
+
+    def compile_(f, in_specs):
+      if variant.gspmd_out_spec is not None:
+        return jax.jit(f, out_shardings=out_sharding)
+      return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=P(AXIS),
+                                   check_vma=variant.check_vma))
+
+    if mode == "loop":
+      self.n_outer = max(1, math.ceil((iters - 1) / n_sets))
+      self.calls = 1 + self.n_outer * n_sets
+      n_outer, k = self.n_outer, len(variant.inputs)
+
+      def program(eps, *flat):
+        sets = [tuple(flat[i * k:(i + 1) * k]) for i in range(n_sets)]
+        return _chain(variant.fn, sets, n_outer, chain, eps, constrain)
+
+      self._program = compile_(program, (P(),) + layouts * n_sets)
+      eps_sharding = NamedSharding(mesh, P())
+      self._flat = [jax.device_put(jnp.zeros((), jnp.float32), eps_sharding)]
+      self._flat += [a for s in self.args for a in s]
+    elif mode == "dispatch":
+      self.calls = max(1, iters)
+      self._program = compile_(variant.fn, layouts)
+    else:
+      raise ValueError(f"--timing {mode!r}: use 'loop' or 'dispatch'")
+
+  def run(self) -> jax.Array:
+    """Queues one timed run and returns its last output (not waited for)."""
+    if self.mode == "loop":
+      return self._program(*self._flat)
+    y = None
+    for c in range(self.calls):
+      y = self._program(*self.args[c % len(self.args)])
+      if self.sync_each:
+        y.block_until_ready()
+    return y
+
+  def time_ms(self) -> float:
+    """Milliseconds per call of one timed run."""
+    t0 = time.perf_counter()
+    self.run().block_until_ready()
+    return (time.perf_counter() - t0) * 1e3 / self.calls
+
+  def hlo_text(self) -> str:
+    if self.mode == "loop":
+      return self._program.lower(*self._flat).compile().as_text()
+    return self._program.lower(*self.args[0]).compile().as_text()
