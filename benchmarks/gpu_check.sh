@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import jax, jaxflux; print('jax', jax.__version__, 'has_cuda', jaxflux.has_cuda(), jax.devices())"
 
 echo "== GPU tests"
-timeout 200 python3 -m pytest -q -rs -m gpu tests -p no:cacheprovider 2>&1 \
+timeout 400 python3 -m pytest -q -rs -m gpu tests -p no:cacheprovider 2>&1 \
   | tee "$OUTDIR/gpu_tests.log" | tail -8
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
@@ -33,13 +33,15 @@ echo "== all-gather bandwidth (100 jitted calls queued from Python)"
 timeout 100 python3 -m jaxflux.bench --op all_gather --sizes-mib 16,64,256 --timing dispatch \
   --out "$OUTDIR/all_gather_dispatch.json" 2>&1 | tail -4 || status=1
 
-echo "== GEMM baselines (XLA; fused GEMMs not built yet)"
-for spec in ag_gemm:llama70b-fc1 gemm_rs:llama70b-fc2; do
-  op=${spec%%:*}
-  timeout 120 python3 -m jaxflux.bench --op $op --shapes ${spec#*:} --M 2048,8192 \
-    --variants gemm,comm,xla,jaxflux,auto --out "$OUTDIR/${op}_baseline.json" 2>&1 | tail -4 \
-    || status=1
-done
+echo "== fused AllGather+GEMM vs XLA (every ag_gemm shape at M=2048,8192)"
+timeout 240 python3 -m jaxflux.bench --op ag_gemm --M 2048,8192 \
+  --variants gemm,gemm_only,comm,xla,jaxflux,auto --timing dispatch --iters 50 --repeats 3 \
+  --warmup 5 --out "$OUTDIR/ag_gemm_fused.json" 2>&1 | grep -A12 "^name" || status=1
+
+echo "== GEMM+ReduceScatter baseline (XLA; its fused kernel is not built yet)"
+timeout 120 python3 -m jaxflux.bench --op gemm_rs --shapes llama70b-fc2 --M 2048,8192 \
+  --variants gemm,comm,xla,jaxflux,auto --out "$OUTDIR/gemm_rs_baseline.json" 2>&1 | tail -4 \
+  || status=1
 
 echo "== training example on all GPUs (bf16)"
 timeout 120 python3 examples/train_tp_transformer.py --dtype bfloat16 --steps 20 2>&1 \
