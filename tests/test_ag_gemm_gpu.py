@@ -16,7 +16,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxflux
 from jaxflux import _hlo, _runtime
-from jaxflux.ops.gemm import gemm
+from jaxflux.ops.gemm import AG_GEMM_CONFIGS, gemm
 
 pytestmark = pytest.mark.gpu
 
@@ -220,6 +220,26 @@ def test_gemm_only_mode_matches_float32_reference(M, K, N):
   x, w = _operands(M, (M, K), (K, N), jnp.bfloat16)
   got = jax.jit(lambda x, w: gemm(x, w, tile_order="all_gather_matmul"))(x, w)
   assert _rel_err(got, _reference(x, w)) <= TOL[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("config", AG_GEMM_CONFIGS)
+@pytest.mark.parametrize("shard_rows,K,N,batch", [
+    (200, 264, 136, ()),      # tiles straddle shards; K, N not multiples of any tile
+    (1024, 1024, 1024, ()),
+    (7, 96, 40, (2, 3)),      # batch dims
+])
+def test_every_tile_config_matches_reference(config, shard_rows, K, N, batch):
+  mesh = _mesh()
+  tp = mesh.shape["tp"]
+  x, w = _operands(K + N, batch + (tp * shard_rows, K), (K, N * tp), jnp.bfloat16)
+  spec = _x_spec(x.ndim)
+  body = lambda x, w: agm_module._fused(x, w, "tp", False, config=config)[0]
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P(None, "tp")),
+                            out_specs=P(*([None] * (x.ndim - 1)), "tp")))
+  assert _rel_err(f(x, w), _reference(x, w)) <= TOL[jnp.bfloat16]
+  w0 = w[:, :N]
+  only = jax.jit(lambda x, w: gemm(x, w, tile_order="all_gather_matmul", config=config))(x, w0)
+  assert _rel_err(only, _reference(x, w0)) <= TOL[jnp.bfloat16]
 
 
 def test_a_peer_that_never_signals_times_out_instead_of_hanging():

@@ -87,3 +87,10 @@ def test_gemm_rejects_unknown_tile_order():
   w = jax.ShapeDtypeStruct((16, 8), jnp.bfloat16)
   with pytest.raises(ValueError, match=r"tile_order='rows' is not one of"):
     jax.eval_shape(lambda a, b: gemm(a, b, tile_order="rows"), x, w)
+
+
+def test_unknown_tile_config_is_rejected(fake_gpu):
+  x = jnp.ones((8, 64), jnp.bfloat16)
+  w = jnp.ones((64, 32), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"config='huge' is not one of"):
+    jax.eval_shape(lambda a, b: gemm(a, b, tile_order="all_gather_matmul", config="huge"), x, w)

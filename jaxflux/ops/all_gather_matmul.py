@@ -116,10 +116,11 @@ def _forward(x, w, axis_name, impl, preferred_element_type, precision, want_gath
   return y, x_full
 
 
-def _fused(x, w, axis_name, want_gathered, debug_skip_rank=-1):
+def _fused(x, w, axis_name, want_gathered, debug_skip_rank=-1, config=None):
   """The fused kernel (jaxflux_all_gather_matmul FFI target, xla_ffi/ffi/ag_gemm.cc).
 
   debug_skip_rank: test hook; that rank never signals its peers, so they time out.
+  config: one of jaxflux.ops.gemm.AG_GEMM_CONFIGS (tests, tuning), None: the kernel chooses.
   """
   from jaxflux.ops import all_gather as all_gather_module  # rank_info lives with the runtime op
   from jaxflux.ops import gemm as gemm_module
@@ -146,7 +147,8 @@ def _fused(x, w, axis_name, want_gathered, debug_skip_rank=-1):
               num_groups=np.int64(num_groups),
               site=np.int64(_runtime.new_site_id()),
               generation=np.int64(generation),
-              debug_skip_rank=np.int64(debug_skip_rank))
+              debug_skip_rank=np.int64(debug_skip_rank),
+              config=np.int64(gemm_module.config_index("all_gather_matmul", config)))
   # Typed like the XLA path's results: varying along the gathered axis and wherever x, w vary.
   axes = _common.vma(x) | _common.vma(w) | {axis_name}
   outs = [_common.mark_varying(o, axes) for o in outs]

@@ -17,11 +17,28 @@ from jaxflux.ops import _common
 TILE_ORDERS = {"cutlass": 0, "all_gather_matmul": 1}
 
 
-def gemm(x, w, *, tile_order: str = "cutlass"):
+# The fused AllGather+GEMM kernel's tile configs (xla_ffi/kernels/ag_gemm_sm90.h, AgGemmConfig).
+AG_GEMM_CONFIGS = ("coop_128x256_cluster2x1", "coop_128x256_cluster1x2",
+                   "coop_256x128_cluster1x2", "pingpong_128x128_cluster1x2")
+
+
+def config_index(op: str, config: str | None) -> int:
+  """AG_GEMM_CONFIGS index of `config`; -1 (the kernel chooses) for None."""
+  if config is None:
+    return -1
+  if config not in AG_GEMM_CONFIGS:
+    raise ValueError(f"{op}: config={config!r} is not one of {AG_GEMM_CONFIGS} (or None to let "
+                     "the kernel choose).")
+  return AG_GEMM_CONFIGS.index(config)
+
+
+def gemm(x, w, *, tile_order: str = "cutlass", config: str | None = None):
   """x [..., M, K] @ w [K, N] -> [..., M, N] in x's dtype (bf16/fp16, fp32 accumulation).
 
   tile_order: "cutlass" (CUTLASS's persistent scheduler) or "all_gather_matmul" (the fused
   AllGather+GEMM kernel with its waits off: its GEMM-only mode).
+  config: with tile_order="all_gather_matmul", one of AG_GEMM_CONFIGS (None: the kernel's
+  choice, or JAXFLUX_AG_GEMM_CONFIG).
   """
   op = "gemm"
   _common.check_operands(op, x, w)
@@ -34,13 +51,14 @@ def gemm(x, w, *, tile_order: str = "cutlass"):
     raise ValueError(f"{op}: K={k} and N={n} must be multiples of 8 (16-byte rows for TMA).")
   if tile_order not in TILE_ORDERS:
     raise ValueError(f"{op}: tile_order={tile_order!r} is not one of {tuple(TILE_ORDERS)}.")
+  config_id = config_index(op, config)
   reason = _common.platform_reason()
   if reason is not None:
     raise _common.FusedKernelUnavailableError(f"{op}: {reason}")
   _runtime.register_targets()
   out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), x.dtype)
   call = jax.ffi.ffi_call("jaxflux_gemm", out)
-  return call(x, w, tile_order=np.int64(TILE_ORDERS[tile_order]))
+  return call(x, w, tile_order=np.int64(TILE_ORDERS[tile_order]), config=np.int64(config_id))
 
 
 __all__ = ["gemm"]

@@ -125,9 +125,13 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
                   RankState* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
                   ffi::Buffer<ffi::S32> rank_info, ffi::Result<ffi::AnyBuffer> y,
                   ffi::RemainingRets extra, int64_t tp, int64_t num_groups, int64_t site,
-                  int64_t generation, int64_t debug_skip_rank) {
+                  int64_t generation, int64_t debug_skip_rank, int64_t config) {
   Shapes s;
   if (ffi::Error e = CheckInputs(x, w, rank_info, *y, tp, &s); e.failure()) return e;
+  if (config >= kAgGemmNumConfigs) {
+    return ffi::Error::InvalidArgument("jaxflux all_gather_matmul: config must be -1 (choose) or "
+                                       "0.." + std::to_string(kAgGemmNumConfigs - 1));
+  }
   void* x_full = nullptr;
   if (extra.size() > 0) {
     auto ret = extra.get<ffi::AnyBuffer>(0);
@@ -225,6 +229,8 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
                              static_cast<int>(s.batch * s.m * tp), static_cast<int>(s.n),
                              static_cast<int>(s.k), ordinal};
   problem.wait_for_flags = 1;
+  problem.config = config >= 0 ? static_cast<AgGemmConfig>(config)
+                               : ChooseAgGemmConfig(problem.gemm);
   AgGemmWait& wait = problem.wait;
   for (int p = 0; p < tp; ++p) wait.flags[p] = res->ready_flags + flag_index + g.peers[p];
   wait.flag_base = base;
@@ -277,9 +283,9 @@ ffi::Error AgGemmSiteCached(cudaStream_t stream, int32_t ordinal, ffi::ScratchAl
                             ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank_info,
                             ffi::Result<ffi::AnyBuffer> y, ffi::RemainingRets extra, int64_t tp,
                             int64_t num_groups, int64_t site, int64_t generation,
-                            int64_t debug_skip_rank) {
-  return AgGemm(stream, ordinal, std::move(scratch), nullptr, x, w, rank_info, y, extra, tp, num_groups,
-                site, generation, debug_skip_rank);
+                            int64_t debug_skip_rank, int64_t config) {
+  return AgGemm(stream, ordinal, std::move(scratch), nullptr, x, w, rank_info, y, extra, tp,
+                num_groups, site, generation, debug_skip_rank, config);
 }
 
 }  // namespace
@@ -300,7 +306,8 @@ ffi::Error AgGemmSiteCached(cudaStream_t stream, int32_t ordinal, ffi::ScratchAl
       .Attr<int64_t>("num_groups")                                                     \
       .Attr<int64_t>("site")                                                           \
       .Attr<int64_t>("generation")                                                     \
-      .Attr<int64_t>("debug_skip_rank")
+      .Attr<int64_t>("debug_skip_rank")                                                \
+      .Attr<int64_t>("config") /* AgGemmConfig, -1: ChooseAgGemmConfig */
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxAgGemmExecute, jaxflux::AgGemm,
                               JAXFLUX_AG_GEMM_BINDING(

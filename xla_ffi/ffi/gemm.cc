@@ -21,7 +21,7 @@ namespace {
 // its flag waits off (same tile order and rasterization), to measure what fusion costs the GEMM.
 ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
                        ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d,
-                       int64_t tile_order) {
+                       int64_t tile_order, int64_t config) {
   const auto dtype = a.element_type();
   if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
     return ffi::Error::InvalidArgument("jaxflux gemm: inputs must be bfloat16 or float16");
@@ -62,6 +62,11 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
   AgGemmProblem fused{};
   fused.gemm = problem;
   fused.wait_for_flags = 0;
+  if (config >= kAgGemmNumConfigs) {
+    return ffi::Error::InvalidArgument("jaxflux gemm: config must be -1 (choose) or 0.." +
+                                       std::to_string(kAgGemmNumConfigs - 1));
+  }
+  fused.config = config >= 0 ? static_cast<AgGemmConfig>(config) : ChooseAgGemmConfig(problem);
   fused.wait.tp = 1;
   fused.wait.rows_per_shard = static_cast<int>(m);
   fused.wait.chunk_rows = static_cast<int>(m);
@@ -100,4 +105,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::AnyBuffer>()                     // a: [..., M, K]
         .Arg<xla::ffi::AnyBuffer>()                     // b: [K, N]
         .Ret<xla::ffi::AnyBuffer>()                     // d: [..., M, N]
-        .Attr<int64_t>("tile_order"));                  // 0 CUTLASS's, 1 AllGather+GEMM's
+        .Attr<int64_t>("tile_order")                    // 0 CUTLASS's, 1 AllGather+GEMM's
+        .Attr<int64_t>("config"));                      // tile_order 1: AgGemmConfig or -1

@@ -71,15 +71,23 @@ class AgGemmScheduler : public cutlass::gemm::kernel::detail::PersistentTileSche
         tile_shift_(params.tile_shift),
         total_rows_(params.total_rows) {}
 
+  // Every way a CUTLASS sm90 kernel asks for its tile goes through get_current_work() below:
+  // the cooperative kernel calls initial_work_tile_info / fetch_next_work, the ping-pong kernel
+  // also advance_to_next_work + get_current_work (its consumers start one tile apart). The base
+  // class's own versions would skip the rotation, so all three are replaced.
+  CUTLASS_DEVICE WorkTileInfo get_current_work() const {
+    return Prepare(Base::get_current_work());
+  }
+
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
     if (wait_for_flags_ && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) CheckRank();
-    return Prepare(Base::get_current_work());
+    return get_current_work();
   }
 
   CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) {
     Base::advance_to_next_work();
-    return cute::make_tuple(Prepare(Base::get_current_work()), true);
+    return cute::make_tuple(get_current_work(), true);
   }
 
   template <class Pipeline, class PipelineState>

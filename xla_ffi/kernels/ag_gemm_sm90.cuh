@@ -10,8 +10,14 @@
 
 namespace jaxflux::ag_gemm_sm90 {
 
-template <class Element>
-using Config = gemm_sm90::Config<Element, AgGemmSchedulerTag>;
+// The tile configs of AgGemmConfig, in its order.
+using Tiles0 = gemm_sm90::TileConfig<128, 256, 2, 1, false>;  // kCoop128x256Cluster2x1
+using Tiles1 = gemm_sm90::TileConfig<128, 256, 1, 2, false>;  // kCoop128x256Cluster1x2
+using Tiles2 = gemm_sm90::TileConfig<256, 128, 1, 2, false>;  // kCoop256x128Cluster1x2
+using Tiles3 = gemm_sm90::TileConfig<128, 128, 1, 2, true>;   // kPingpong128x128Cluster1x2
+
+template <class Element, class Tiles>
+using Config = gemm_sm90::Config<Element, AgGemmSchedulerTag, Tiles>;
 
 // Swizzle of the tile order (CUTLASS max_swizzle_size: 1, 2, 4 or 8 M-tile cluster rows swept
 // together along N, for L2 reuse of B). 4 measured best for the fused kernel on llama70b-fc1
@@ -35,9 +41,9 @@ inline int SmMargin() {
   return value;
 }
 
-template <class Element>
-typename Config<Element>::Gemm::Arguments MakeArguments(const AgGemmProblem& p) {
-  using C = Config<Element>;
+template <class Element, class Tiles>
+typename Config<Element, Tiles>::Gemm::Arguments MakeArguments(const AgGemmProblem& p) {
+  using C = Config<Element, Tiles>;
   constexpr int kTileM = cute::get<0>(typename C::Tile{});
   constexpr int kClusterM = cute::get<0>(typename C::Cluster{});
   auto args = gemm_sm90::MakeArguments<C>(p.gemm);
@@ -58,14 +64,28 @@ typename Config<Element>::Gemm::Arguments MakeArguments(const AgGemmProblem& p) 
   return args;
 }
 
-template <class Element>
+template <class Element, class Tiles>
 size_t WorkspaceBytes(const AgGemmProblem& p) {
-  return Config<Element>::Gemm::get_workspace_size(MakeArguments<Element>(p));
+  return Config<Element, Tiles>::Gemm::get_workspace_size(MakeArguments<Element, Tiles>(p));
 }
 
-template <class Element>
+template <class Element, class Tiles>
 const char* Run(const AgGemmProblem& p, void* workspace, cudaStream_t stream) {
-  return gemm_sm90::Launch<Config<Element>>(MakeArguments<Element>(p), workspace, stream);
+  return gemm_sm90::Launch<Config<Element, Tiles>>(MakeArguments<Element, Tiles>(p), workspace,
+                                                   stream);
 }
 
 }  // namespace jaxflux::ag_gemm_sm90
+
+// One instantiation per (element type, tile config) and .cu file, so they compile in parallel:
+// defines the two entry points that ag_gemm_sm90.cc's dispatch table lists.
+#define JAXFLUX_AG_GEMM_INSTANCE(NAME, ELEMENT, TILES)                                    \
+  namespace jaxflux {                                                                     \
+  size_t AgGemmWorkspaceBytes_##NAME(const AgGemmProblem& problem) {                      \
+    return ag_gemm_sm90::WorkspaceBytes<ELEMENT, ag_gemm_sm90::TILES>(problem);           \
+  }                                                                                       \
+  const char* AgGemmRun_##NAME(const AgGemmProblem& problem, void* workspace,             \
+                               cudaStream_t stream) {                                     \
+    return ag_gemm_sm90::Run<ELEMENT, ag_gemm_sm90::TILES>(problem, workspace, stream);   \
+  }                                                                                       \
+  }  // namespace jaxflux

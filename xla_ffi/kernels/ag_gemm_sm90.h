@@ -35,10 +35,25 @@ struct AgGemmWait {
   DeviceErrorRecord* error;
 };
 
+// The CUTLASS kernel shapes compiled for the fused kernel (tile MxN, K step 64; cluster MxN;
+// cooperative or ping-pong warp specialization).
+enum class AgGemmConfig : int {
+  kCoop128x256Cluster2x1 = 0,  // the default, measured in benchmarks/README.md
+  kCoop128x256Cluster1x2 = 1,
+  kCoop256x128Cluster1x2 = 2,
+  kPingpong128x128Cluster1x2 = 3,
+};
+inline constexpr int kAgGemmNumConfigs = 4;
+
+// The config for a problem: JAXFLUX_AG_GEMM_CONFIG=0..3 when set (measurement knob), else the
+// default (per-shape choice: to be measured, issue 4).
+AgGemmConfig ChooseAgGemmConfig(const GemmProblem& problem);
+
 struct AgGemmProblem {
   GemmProblem gemm;        // a = the gathered buffer (workspace), m = batch*tp*rows_per_shard
   AgGemmWait wait;
   int wait_for_flags;      // 0: GEMM-only mode (no waits; what fusion costs the GEMM itself)
+  AgGemmConfig config = AgGemmConfig::kCoop128x256Cluster2x1;
 };
 
 size_t AgGemmSm90WorkspaceBytes(GemmDtype dtype, const AgGemmProblem& problem);

@@ -1,13 +1,14 @@
 // The CUTLASS 3 pieces of the sm90 GEMM, assembled once per element type (one .cu per type so
 // the heavy instantiations compile in parallel).
 //
-// Config: warp-specialized cooperative mainloop with TMA, 128x256x64 tiles, 2x1 clusters,
-// persistent tile scheduler; the measured stock config closest to cuBLAS on the benchmark shapes
-// (DESIGN.md: 769 vs 808 TFLOP/s on 8192x14336x8192). Tuning per shape comes with the fused
-// kernel (issue 4).
+// Default config: warp-specialized cooperative mainloop with TMA, 128x256x64 tiles, 2x1
+// clusters, persistent tile scheduler; the measured stock config closest to cuBLAS on the
+// benchmark shapes (DESIGN.md: 769 vs 808 TFLOP/s on 8192x14336x8192). The fused AllGather+GEMM
+// instantiates a few more (ag_gemm_sm90.h, AgGemmConfig) to choose from per shape.
 #pragma once
 
 #include <mutex>
+#include <type_traits>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -20,28 +21,44 @@
 
 namespace jaxflux::gemm_sm90 {
 
+// One CUTLASS kernel shape: CTA tile (K step 64), cluster, and the warp-specialized schedule
+// (cooperative: two consumer warp groups share a tile; ping-pong: they alternate tiles).
+template <int kTileM, int kTileN, int kClusterM, int kClusterN, bool kPingpong>
+struct TileConfig {
+  using Tile = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::_64>;
+  using Cluster = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
+  using MainloopSchedule =
+      std::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                         cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+  using EpilogueSchedule = std::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
+                                              cutlass::epilogue::TmaWarpSpecializedCooperative>;
+};
+
+// The measured stock config closest to cuBLAS on the benchmark shapes.
+using DefaultTiles = TileConfig<128, 256, 2, 1, false>;
+
 // SchedulerTag: void = CUTLASS's static persistent scheduler (GEMM-only op); the fused ops plug
 // in their own (ag_gemm_scheduler_sm90.cuh).
-template <class Element_, class SchedulerTag = void>
+template <class Element_, class SchedulerTag = void, class Tiles = DefaultTiles>
 struct Config {
   using Element = Element_;
   using Layout = cutlass::layout::RowMajor;  // A [M,K], B [K,N] (N-major B), D [M,N]
   static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte accesses
-  using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using Tile = typename Tiles::Tile;
+  using Cluster = typename Tiles::Cluster;
 
   // No C operand (ElementC = void): D = A·B, nothing read back.
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, Layout, kAlign,
-      Element, Layout, kAlign, cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+      Element, Layout, kAlign, typename Tiles::EpilogueSchedule>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, Layout, kAlign, Element,
       Layout, kAlign, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename Tiles::MainloopSchedule>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
                                                       Epilogue, SchedulerTag>;
