@@ -94,3 +94,16 @@ def test_unknown_tile_config_is_rejected(fake_gpu):
   w = jnp.ones((64, 32), jnp.bfloat16)
   with pytest.raises(ValueError, match=r"config='huge' is not one of"):
     jax.eval_shape(lambda a, b: gemm(a, b, tile_order="all_gather_matmul", config="huge"), x, w)
+
+
+def test_fused_reduce_scatter_forward_and_grad_trace(fake_gpu):
+  x = jnp.ones((8, 64), jnp.bfloat16)   # per device [M=8, K=32]
+  w = jnp.ones((64, 32), jnp.bfloat16)  # per device [K=32, N=32]
+  mesh = make_mesh((2,), ("tp",))
+  f = jax.shard_map(lambda x, w: jaxflux.matmul_reduce_scatter(x, w, "tp", impl="fused"),
+                    mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None))
+  assert "jaxflux_matmul_reduce_scatter" in _jaxpr_text(f, x, w)
+  loss = lambda x, w: jnp.sum(f(x, w).astype(jnp.float32))
+  text = _jaxpr_text(jax.grad(loss, argnums=(0, 1)), x, w)
+  # The backward of GEMM+ReduceScatter is the fused AllGather+GEMM.
+  assert "jaxflux_all_gather_matmul" in text and "jaxflux_matmul_reduce_scatter" in text

@@ -14,6 +14,7 @@
 #include "xla_ffi/ffi/ag_gemm.h"
 #include "xla_ffi/ffi/all_gather.h"
 #include "xla_ffi/ffi/gemm.h"
+#include "xla_ffi/ffi/gemm_rs.h"
 #include "xla_ffi/ffi/rank_state_type.h"
 #include "xla_ffi/runtime/runtime.h"
 #endif
@@ -53,6 +54,11 @@ NB_MODULE(_jaxflux, m) {
     ag_gemm["execute"] = Capsule(JaxfluxAgGemmExecute);
     registrations["jaxflux_all_gather_matmul"] = ag_gemm;
     registrations["jaxflux_all_gather_matmul_site_cached"] = Capsule(JaxfluxAgGemmSiteCached);
+    nb::dict gemm_rs;
+    gemm_rs["instantiate"] = Capsule(JaxfluxAllGatherInstantiate);  // the same rank cache
+    gemm_rs["execute"] = Capsule(JaxfluxGemmRsExecute);
+    registrations["jaxflux_matmul_reduce_scatter"] = gemm_rs;
+    registrations["jaxflux_matmul_reduce_scatter_site_cached"] = Capsule(JaxfluxGemmRsSiteCached);
 #endif
     return registrations;
   }, "FFI targets by name (PyCapsules or stage dicts), empty when built without CUDA.");

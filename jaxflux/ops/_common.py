@@ -100,6 +100,22 @@ def platform_reason() -> str | None:
   return None
 
 
+def fused_operand_reason(x, w, preferred_element_type) -> str | None:
+  """Why neither fused kernel takes these per-device operands, or None (both kernels share the
+  CUTLASS GEMM: 16-byte rows for TMA, output in the input dtype)."""
+  k, n = w.shape
+  if k % 8 or n % 8:
+    return (f"this device's w shard is [K, N] = [{k}, {n}]; the kernel needs K and N multiples "
+            "of 8 (16-byte rows for its TMA loads). Pad the weight.")
+  if x.size == 0 or w.size == 0:
+    return f"empty operands (x.shape={x.shape}, w.shape={w.shape}) have nothing to fuse."
+  out = result_dtype(x, w, preferred_element_type)
+  if out != x.dtype:
+    return (f"the kernel writes its output in the input dtype ({x.dtype}); "
+            f"preferred_element_type={out} is not supported by it yet.")
+  return None
+
+
 def result_dtype(x, w, preferred_element_type):
   if preferred_element_type is None:
     return jnp.result_type(x.dtype, w.dtype)

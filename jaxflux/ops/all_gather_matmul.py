@@ -41,7 +41,7 @@ def all_gather_matmul(x, w, axis_name: str, *, return_gathered: bool = False, im
       "fused" (the fused kernel or an error, never a silent fallback) or "xla" (pure-JAX
       reference). The fused kernel (Hopper GPUs, tp <= 8) takes bfloat16/float16 x and w of one
       dtype, K and N multiples of 8, and writes y in that dtype. Its backward computes dX with
-      matmul_reduce_scatter(impl="auto").
+      matmul_reduce_scatter(impl=impl).
     preferred_element_type: output dtype (accumulation is fp32 on the fused path); default is
       the promoted input dtype.
     precision: `lax.Precision` for the XLA path, as in `lax.dot_general` (the fused kernel always
@@ -64,17 +64,7 @@ def _fused_unsupported_reason(x, w, preferred_element_type) -> str | None:
   reason = _common.platform_reason()
   if reason is not None:
     return reason
-  k, n = w.shape
-  if k % 8 or n % 8:
-    return (f"this device's w shard is [K, N] = [{k}, {n}]; the kernel needs K and N multiples "
-            "of 8 (16-byte rows for its TMA loads). Pad the weight.")
-  if x.size == 0 or w.size == 0:
-    return f"empty operands (x.shape={x.shape}, w.shape={w.shape}) have nothing to fuse."
-  out = _common.result_dtype(x, w, preferred_element_type)
-  if out != x.dtype:
-    return (f"the kernel writes its output in the input dtype ({x.dtype}); "
-            f"preferred_element_type={out} is not supported by it yet.")
-  return None
+  return _common.fused_operand_reason(x, w, preferred_element_type)
 
 
 # impl="auto" takes the fused kernel only where the benchmark measured it ahead of XLA unfused:
@@ -169,10 +159,9 @@ def _bwd(axis_name, return_gathered, impl, preferred_element_type, precision, re
   dy, dx_full = ct if return_gathered else (ct, None)
   compute_dtype = _common.result_dtype(x, w, None)
   dy = dy.astype(compute_dtype)
-  # dX goes through GEMM+ReduceScatter; until its fused kernel lands, impl="fused" asks it for
-  # "auto" (its fused kernel where one exists, else XLA), so a fused forward stays trainable.
-  dx = matmul_reduce_scatter(dy, w.T, axis_name, impl="auto" if impl == "fused" else impl,
-                             preferred_element_type=x.dtype, precision=precision)
+  # dX goes through GEMM+ReduceScatter: the fused pair serves both passes.
+  dx = matmul_reduce_scatter(dy, w.T, axis_name, impl=impl, preferred_element_type=x.dtype,
+                             precision=precision)
   if dx_full is not None:
     dx = dx + lax.psum_scatter(dx_full, axis_name, scatter_dimension=x.ndim - 2,
                                tiled=True).astype(x.dtype)

@@ -12,11 +12,15 @@ Backward (the pair closes under differentiation):
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from jaxflux import _runtime
 from jaxflux.ops import _common
 from jaxflux.ops.all_gather_matmul import all_gather_matmul
 
@@ -50,17 +54,31 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, impl: str = "auto",
         f"{op}: the token axis of x (axis -2, size {tokens}, x.shape={x.shape}) must divide by "
         f"the size of mesh axis {axis_name!r} (tp={tp}) to be scattered. Pad the tokens to a "
         f"multiple of {tp} or use a tp that divides {tokens}.")
-  _common.resolve_impl(op, impl, x, w, _fused_unsupported_reason)
+  _resolve(impl, x, w, preferred_element_type, axis_name)
   return _matmul_reduce_scatter(x, w, axis_name, impl,
                                 _common.static_dtype(preferred_element_type), precision)
 
 
-def _fused_unsupported_reason(x, w) -> str | None:
+def _fused_unsupported_reason(x, w, preferred_element_type) -> str | None:
   """Why the fused GEMM+ReduceScatter kernel cannot run on these operands here, or None."""
   reason = _common.platform_reason()
   if reason is not None:
     return reason
-  return "the fused GEMM+ReduceScatter kernel is not part of this jaxflux version yet."
+  return _common.fused_operand_reason(x, w, preferred_element_type)
+
+
+def _auto_prefers_fused(x, w, tp: int) -> bool:
+  """impl="auto": no shape is measured ahead of XLA yet (benchmarks/README.md), so XLA."""
+  del x, w, tp
+  return False
+
+
+def _resolve(impl, x, w, preferred_element_type, axis_name) -> str:
+  tp = lax.axis_size(axis_name)
+  return _common.resolve_impl(
+      "matmul_reduce_scatter", impl, x, w,
+      lambda x, w: _fused_unsupported_reason(x, w, preferred_element_type),
+      auto_prefers_fused=lambda x, w: _auto_prefers_fused(x, w, tp))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
@@ -69,12 +87,45 @@ def _matmul_reduce_scatter(x, w, axis_name, impl, preferred_element_type, precis
 
 
 def _forward(x, w, axis_name, impl, preferred_element_type, precision):
-  chosen = _common.resolve_impl("matmul_reduce_scatter", impl, x, w, _fused_unsupported_reason)
-  if chosen == "fused":  # Unreachable until the fused kernel lands: resolve_impl raised already.
-    raise NotImplementedError("fused GEMM+ReduceScatter")
+  if _resolve(impl, x, w, preferred_element_type, axis_name) == "fused":
+    return _fused(x, w, axis_name)
   partial_sum = _common.matmul(x, w, precision=precision,
                                preferred_element_type=preferred_element_type)
   return lax.psum_scatter(partial_sum, axis_name, scatter_dimension=x.ndim - 2, tiled=True)
+
+
+def _fused(x, w, axis_name, debug_skip_rank=-1):
+  """The fused kernel (jaxflux_matmul_reduce_scatter FFI target, xla_ffi/ffi/gemm_rs.cc).
+
+  debug_skip_rank: test hook; that rank never signals its peers, so they time out.
+  """
+  from jaxflux.ops import all_gather as all_gather_module  # rank_info lives with the runtime op
+  from jaxflux.ops import gemm as gemm_module
+
+  tp = lax.axis_size(axis_name)
+  if tp == 1:  # nothing to reduce
+    return gemm_module.gemm(x, w)
+  if tp > 8:
+    raise _common.FusedKernelUnavailableError(
+        f"matmul_reduce_scatter(impl='fused'): axis {axis_name!r} has size {tp}; the fused "
+        "kernel supports groups of up to 8 GPUs (one NVLink domain). Use impl='xla'.")
+  info, num_groups = all_gather_module.rank_info(axis_name)
+  m = x.shape[-2] // tp
+  n = w.shape[1]
+  partial_bytes = math.prod(x.shape[:-2]) * m * n * jnp.dtype(x.dtype).itemsize
+  slot = -(-partial_bytes // 256) * 256
+  # Two parities of [tp receive slots, tp staging slots].
+  generation = _runtime.ensure_workspace(2 * 2 * tp * slot)
+  out_type = jax.ShapeDtypeStruct(x.shape[:-2] + (m, n), x.dtype)
+  call = jax.ffi.ffi_call(_runtime.target_name("matmul_reduce_scatter"), out_type)
+  z = call(x, w, info,
+           tp=np.int64(tp),
+           num_groups=np.int64(num_groups),
+           site=np.int64(_runtime.new_site_id()),
+           generation=np.int64(generation),
+           debug_skip_rank=np.int64(debug_skip_rank))
+  # Typed like the XLA path's result: varying along the scattered axis and wherever x, w vary.
+  return _common.mark_varying(z, _common.vma(x) | _common.vma(w) | {axis_name})
 
 
 def _fwd(x, w, axis_name, impl, preferred_element_type, precision):

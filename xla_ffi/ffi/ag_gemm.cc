@@ -28,6 +28,7 @@
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi/errors.h"
 #include "xla_ffi/ffi/group.h"
 #include "xla_ffi/kernels/ag_gemm_sm90.h"
 #include "xla_ffi/runtime/runtime.h"
@@ -43,20 +44,11 @@ constexpr int kMaxChunks = 4;                          // same flag numbering as
 constexpr size_t kChunkTargetBytes = size_t{8} << 20;  // pipelining granularity of large shards
 constexpr int kChunkRowAlign = 128;                    // the GEMM's tile height
 
-ffi::Error Fail(const std::string& what) {
-  return ffi::Error::Internal("jaxflux all_gather_matmul: " + what);
-}
+constexpr char kOp[] = "all_gather_matmul";
 
-ffi::Error CudaFail(const char* call, cudaError_t err) {
-  (void)cudaGetLastError();
-  return Fail(std::string(call) + " failed: " + cudaGetErrorString(err));
-}
+ffi::Error Fail(const std::string& what) { return OpError(kOp, what); }
 
-#define JAXFLUX_CUDA(call)                                            \
-  do {                                                                \
-    if (cudaError_t jaxflux_err_ = (call); jaxflux_err_ != cudaSuccess) \
-      return CudaFail(#call, jaxflux_err_);                           \
-  } while (0)
+#define JAXFLUX_CUDA(call) JAXFLUX_RETURN_IF_CUDA_ERROR(kOp, call)
 
 struct Shapes {
   size_t batch = 0, m = 0, k = 0, n = 0, elem = 0;

@@ -82,17 +82,22 @@ typename C::Gemm::Arguments MakeArguments(const GemmProblem& p) {
   using Gemm = typename C::Gemm;
   using Element = typename C::Element;
   auto stride_a = cutlass::make_cute_packed_stride(typename Gemm::GemmKernel::StrideA{},
-                                                   cute::make_shape(p.m, p.k, 1));
+                                                   cute::make_shape(p.m, p.k, p.batch));
   auto stride_b = cutlass::make_cute_packed_stride(typename Gemm::GemmKernel::StrideB{},
-                                                   cute::make_shape(p.n, p.k, 1));
+                                                   cute::make_shape(p.n, p.k, p.batch));
   auto stride_d = cutlass::make_cute_packed_stride(typename Gemm::GemmKernel::StrideD{},
-                                                   cute::make_shape(p.m, p.n, 1));
+                                                   cute::make_shape(p.m, p.n, p.batch));
+  if (p.batch > 1) {  // explicit batch strides: a and d may be views into larger buffers
+    cute::get<2>(stride_a) = p.batch_stride_a;
+    cute::get<2>(stride_b) = 0;
+    cute::get<2>(stride_d) = p.batch_stride_d;
+  }
   cutlass::KernelHardwareInfo hw;
   hw.device_id = p.device;
   hw.sm_count = SmCount(p.device);
   typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
-      {p.m, p.n, p.k, 1},
+      {p.m, p.n, p.k, p.batch},
       {static_cast<const Element*>(p.a), stride_a, static_cast<const Element*>(p.b), stride_b},
       {{1.0f, 0.0f}, nullptr, stride_d, static_cast<Element*>(p.d), stride_d},
       hw};

@@ -13,11 +13,14 @@ namespace jaxflux {
 enum class GemmDtype { kBF16, kF16 };
 
 struct GemmProblem {
-  const void* a;  // [m, k] row-major
-  const void* b;  // [k, n] row-major
+  const void* a;  // [m, k] row-major (rows contiguous, leading dimension k)
+  const void* b;  // [k, n] row-major, shared by every batch entry
   void* d;        // [m, n] row-major
   int m, n, k;
   int device;     // CUDA ordinal (for the SM count the persistent scheduler sizes its grid by)
+  // Batched problems (L mode): `batch` entries, a and d advancing by these element strides.
+  int batch = 1;
+  int64_t batch_stride_a = 0, batch_stride_d = 0;
 };
 
 // Bytes of scratch the kernel needs for this problem (0 for the current config).

@@ -153,9 +153,12 @@ std::optional<std::string> TakeDeviceErrorMessage() {
   v->claim = 0;
   // snprintf, not iostreams: formatting doubles through ostringstream crashed inside the
   // extension on the GPU machine (two libstdc++ builds in one process, suspected).
-  const char* op = copy.op == static_cast<int32_t>(OpCode::kAllGather)          ? "all_gather"
-                   : copy.op == static_cast<int32_t>(OpCode::kAllGatherMatmul) ? "all_gather_matmul"
-                                                                               : "op";
+  const char* op = "op";
+  switch (static_cast<OpCode>(copy.op)) {
+    case OpCode::kAllGather: op = "all_gather"; break;
+    case OpCode::kAllGatherMatmul: op = "all_gather_matmul"; break;
+    case OpCode::kMatmulReduceScatter: op = "matmul_reduce_scatter"; break;
+  }
   char text[1024];
   if (copy.kind == static_cast<int32_t>(ErrorKind::kTimeout)) {
     std::snprintf(text, sizeof(text),

@@ -1,0 +1,161 @@
+"""Fused GEMM+ReduceScatter on GPUs against a float32 reference: the benchmark shapes, odd
+shapes, batch dims, back-to-back calls with fresh data, mixing with XLA collectives, loops,
+determinism, gradients (through the fused AllGather+GEMM), the compiled HLO and the bounded wait.
+Skipped unless jaxflux.has_cuda() and at least 2 GPUs."""
+import importlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jaxflux
+from jaxflux import _hlo, _runtime
+from gpu_util import TOL, bench_shapes, gpu_mesh, operands, reference, rel_err
+
+pytestmark = pytest.mark.gpu
+
+# The module (jaxflux.ops re-exports the function under the same name).
+rs_module = importlib.import_module("jaxflux.ops.matmul_reduce_scatter")
+
+
+@pytest.fixture(autouse=True)
+def _no_device_errors():
+  """Every test also fails on any error a kernel recorded (a timed-out wait, a rank mismatch)."""
+  _runtime.check_errors()
+  yield
+  _runtime.check_errors()
+
+
+def _rs_fn(mesh, ndim, impl="fused", body=None):
+  """Global x [..., M, K] (K sharded), w [K, N] (rows sharded) -> z [..., M, N] (M sharded)."""
+  lead = [None] * (ndim - 2)
+  body = body or (lambda x, w: jaxflux.matmul_reduce_scatter(x, w, "tp", impl=impl))
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(*lead, None, "tp"), P("tp", None)),
+                               out_specs=P(*lead, "tp", None)))
+
+
+@pytest.mark.parametrize("M,K,N", bench_shapes("gemm_rs"))
+def test_benchmark_shapes_match_float32_reference(M, K, N):
+  mesh = gpu_mesh()
+  x, w = operands(M + N, (M, K), (K, N), jnp.bfloat16)
+  got = _rs_fn(mesh, 2)(x, w)
+  assert got.shape == (M, N) and got.dtype == jnp.bfloat16
+  assert rel_err(got, reference(x, w)) <= TOL[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("rows_per_rank,K,N,batch", [
+    (200, 256, 512, ()),      # owner rows not a multiple of the 128-row tile
+    (1, 64, 64, ()),          # one row per owner
+    (128, 264, 136, ()),      # K, N not multiples of the tile
+    (8, 4096, 2048, ()),      # decode-sized M, large K
+    (7, 96, 40, (2, 3)),      # batch dims: owner rows are strided (batched GEMM)
+    (64, 128, 256, (4,)),
+])
+def test_odd_shapes_and_batch_dims(dtype, rows_per_rank, K, N, batch):
+  mesh = gpu_mesh()
+  tp = mesh.shape["tp"]
+  x, w = operands(rows_per_rank * K + N, batch + (tp * rows_per_rank, K * tp), (K * tp, N),
+                   dtype)
+  got = _rs_fn(mesh, x.ndim)(x, w)
+  assert got.shape == batch + (tp * rows_per_rank, N) and got.dtype == dtype
+  assert rel_err(got, reference(x, w)) <= TOL[dtype]
+
+
+def test_back_to_back_calls_with_fresh_data_and_no_host_sync():
+  mesh = gpu_mesh()
+  tp = mesh.shape["tp"]
+  f = _rs_fn(mesh, 2)
+  make = jax.jit(lambda i: operands(i, (tp * 512, 256 * tp), (256 * tp, 512), jnp.bfloat16))
+  inputs, outs = [], []
+  for i in range(200):
+    x, w = make(jnp.int32(i))
+    inputs.append((x, w))
+    outs.append(f(x, w))
+  for (x, w), z in zip(inputs[::17], outs[::17]):
+    assert rel_err(z, reference(x, w)) <= TOL[jnp.bfloat16]
+
+
+def test_mixed_with_xla_collectives_and_in_fori_loop():
+  mesh = gpu_mesh()
+  tp = mesh.shape["tp"]
+  K = 256
+
+  def body(x, w):
+    def step(_, h):  # h [M, K/tp]: all tokens, this device's slice of K
+      z = jaxflux.matmul_reduce_scatter(h, w, "tp", impl="fused")  # [M/tp, K]
+      z = z + lax.psum(jnp.sum(h.astype(jnp.float32)), "tp").astype(z.dtype) * 0
+      full = lax.all_gather(z, "tp", axis=0, tiled=True)            # [M, K]
+      idx = lax.axis_index("tp")
+      return (lax.dynamic_slice_in_dim(full, idx * h.shape[1], h.shape[1], axis=1) * 0.5
+              ).astype(h.dtype)
+    return lax.fori_loop(0, 4, step, x)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
+                            out_specs=P(None, "tp")))
+  x, w = operands(5, (tp * 128, K), (K, K), jnp.bfloat16)
+  got = f(x, w)
+  ref = x.astype(jnp.float32)
+  for _ in range(4):
+    ref = (jnp.matmul(ref, w.astype(jnp.float32), precision=lax.Precision.HIGHEST) * 0.5
+           ).astype(jnp.bfloat16).astype(jnp.float32)
+  assert rel_err(got, ref) <= 3e-2
+
+
+def test_bitwise_deterministic_run_to_run():
+  mesh = gpu_mesh()
+  tp = mesh.shape["tp"]
+  f = _rs_fn(mesh, 2)
+  x, w = operands(9, (tp * 1024, 512 * tp), (512 * tp, 1024), jnp.bfloat16)
+  first = np.asarray(f(x, w))
+  for _ in range(3):
+    np.testing.assert_array_equal(np.asarray(f(x, w)), first)
+
+
+def test_gradients_match_float32_reference():
+  mesh = gpu_mesh()
+  tp = mesh.shape["tp"]
+  x, w = operands(11, (tp * 256, 128 * tp), (128 * tp, 256), jnp.bfloat16)
+  ct = jax.random.normal(jax.random.key(12), (tp * 256, 256), jnp.float32)
+  f = _rs_fn(mesh, 2)
+  dx, dw = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * ct),
+                            argnums=(0, 1)))(x, w)
+  dx_ref = jnp.matmul(ct, w.astype(jnp.float32).T, precision=lax.Precision.HIGHEST)
+  dw_ref = jnp.matmul(x.astype(jnp.float32).T, ct, precision=lax.Precision.HIGHEST)
+  assert rel_err(dx, dx_ref) <= TOL[jnp.bfloat16]
+  assert rel_err(dw, dw_ref) <= TOL[jnp.bfloat16]
+
+
+def test_compiled_hlo_has_the_custom_call_and_no_reduce_scatter():
+  mesh = gpu_mesh()
+  tp = mesh.shape["tp"]
+  x, w = operands(13, (tp * 256, 128 * tp), (128 * tp, 256), jnp.bfloat16)
+  text = _rs_fn(mesh, 2).lower(x, w).compile().as_text()
+  assert any(t.startswith("jaxflux_matmul_reduce_scatter")
+             for t in _hlo.custom_call_targets(text))
+  assert _hlo.count_collectives(text).get("reduce-scatter", 0) == 0
+
+
+def test_a_peer_that_never_signals_times_out_instead_of_hanging():
+  mesh = gpu_mesh()
+  tp = mesh.shape["tp"]
+  jaxflux.configure(timeout_s=2.0)
+  try:
+    x, w = operands(17, (tp * 256, 128 * tp), (128 * tp, 256), jnp.bfloat16)
+    good = _rs_fn(mesh, 2)
+    hang = _rs_fn(mesh, 2, body=lambda x, w: rs_module._fused(x, w, "tp", debug_skip_rank=0))
+    good(x, w).block_until_ready()
+    start = time.monotonic()
+    hang(x, w).block_until_ready()
+    assert time.monotonic() - start < 15.0
+    with pytest.raises(RuntimeError,
+                       match=r"matmul_reduce_scatter: rank 1 .* timed out .* rank 0"):
+      _runtime.check_errors()
+    assert rel_err(good(x, w), reference(x, w)) <= TOL[jnp.bfloat16]
+  finally:
+    jaxflux.configure(timeout_s=30.0)
+    _runtime.check_errors()

@@ -1,0 +1,249 @@
+// Fused GEMM+ReduceScatter: z = reduce_scatter(x · w, axis=-2), the communication of each
+// owner's rows hidden behind the GEMM of the next owner's rows.
+//
+// Per call (epoch e, parity e%2) on this device (rank r of tp). x [b, M, K] holds every token;
+// owner p of the output gets rows [p*m, (p+1)*m) of each batch entry (m = M/tp). This device's
+// workspace half [e%2] holds `recv[tp]` (partials landed here, by source rank) and
+// `stage[tp]` (partials this device computed for peers):
+//   main stream: for p = r+1, r+2, ..., r-1: GEMM of owner p's rows -> stage[p]; then a fork:
+//     side stream: copy-engine copy stage[p] -> recv[r] on p, then a flag write
+//                  ready[this device] = e*4 + 1 on p (cuStreamWriteValue64: no SM needed);
+//   main stream: GEMM of this device's own rows -> recv[r] (overlaps the last pushes), then one
+//     kernel that waits (bounded) for every peer's flag and sums recv[0..tp) in rank order with
+//     fp32 accumulation into z; then a join with the side stream (stage[] must not be rewritten
+//     before its copy is done).
+// Slot reuse: a peer writes recv[.][e%2] again at e+2 only after its own reduction of e+1, which
+// waited for our flag of e+1, released after our reduction of e had run on our stream.
+#include "xla_ffi/ffi/gemm_rs.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi/errors.h"
+#include "xla_ffi/ffi/group.h"
+#include "xla_ffi/kernels/gemm_sm90.h"
+#include "xla_ffi/kernels/reduce_kernels.h"
+#include "xla_ffi/runtime/runtime.h"
+#include "xla_ffi/runtime/signals.h"
+#include "xla_ffi/runtime/stream_ops.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxflux {
+namespace {
+
+constexpr uint64_t kFlagsPerEpoch = 4;  // the channel's flag numbering (all ops share it)
+
+constexpr char kOp[] = "matmul_reduce_scatter";
+
+ffi::Error Fail(const std::string& what) { return OpError(kOp, what); }
+
+#define JAXFLUX_CUDA(call) JAXFLUX_RETURN_IF_CUDA_ERROR(kOp, call)
+
+struct Shapes {
+  size_t batch = 0, rows = 0, m = 0, k = 0, n = 0, elem = 0;  // rows = M, m = M / tp
+  GemmDtype dtype = GemmDtype::kBF16;
+};
+
+ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank_info,
+                       ffi::AnyBuffer z, int64_t tp, Shapes* s) {
+  auto invalid = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("jaxflux matmul_reduce_scatter: " + what);
+  };
+  const auto dt = x.element_type();
+  if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) {
+    return invalid("x must be bfloat16 or float16");
+  }
+  if (w.element_type() != dt || z.element_type() != dt) {
+    return invalid("x, w and z need one dtype");
+  }
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() < 2 || wd.size() != 2 || xd.back() != wd[0]) {
+    return invalid("expected x [..., M, K] and w [K, N]");
+  }
+  if (tp < 2 || tp > kReduceMaxRanks) {
+    return invalid("tp must be in 2.." + std::to_string(kReduceMaxRanks));
+  }
+  s->rows = static_cast<size_t>(xd[xd.size() - 2]);
+  s->k = static_cast<size_t>(wd[0]);
+  s->n = static_cast<size_t>(wd[1]);
+  s->elem = ffi::ByteWidth(dt);
+  s->dtype = dt == ffi::DataType::BF16 ? GemmDtype::kBF16 : GemmDtype::kF16;
+  if (s->rows == 0 || s->k == 0 || s->n == 0) return invalid("empty operands are not supported");
+  if (s->rows % static_cast<size_t>(tp)) return invalid("M must divide by tp");
+  if (s->k % 8 || s->n % 8) return invalid("K and N must be multiples of 8 (16-byte rows)");
+  s->m = s->rows / static_cast<size_t>(tp);
+  s->batch = x.element_count() / (s->rows * s->k);
+  if (s->batch * s->rows > static_cast<size_t>(std::numeric_limits<int>::max()) ||
+      s->n > static_cast<size_t>(std::numeric_limits<int>::max()) ||
+      s->k > static_cast<size_t>(std::numeric_limits<int>::max())) {
+    return invalid("a dimension exceeds 2^31-1");
+  }
+  if (z.element_count() != s->batch * s->m * s->n) return invalid("z must be [..., M/tp, N]");
+  if (rank_info.element_count() != 2) return invalid("rank_info must hold 2 int32s");
+  return ffi::Error::Success();
+}
+
+ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator scratch,
+                  RankState* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                  ffi::Buffer<ffi::S32> rank_info, ffi::Result<ffi::AnyBuffer> z, int64_t tp,
+                  int64_t num_groups, int64_t site, int64_t generation, int64_t debug_skip_rank) {
+  Shapes s;
+  if (ffi::Error e = CheckInputs(x, w, rank_info, *z, tp, &s); e.failure()) return e;
+  GroupInfo g;
+  if (ffi::Error e = ResolveGroup("matmul_reduce_scatter", stream, ordinal, state,
+                                  rank_info.typed_data(), site, tp, num_groups, &g);
+      e.failure()) {
+    return e;
+  }
+  // A device error recorded since the last call fails this call, after it has taken part.
+  std::optional<std::string> pending = TakeDeviceErrorMessage();
+
+  const int rank = g.rank;
+  const size_t partial_bytes = s.batch * s.m * s.n * s.elem;  // one owner's rows of x · w
+  const size_t slot_bytes = (partial_bytes + 255) / 256 * 256;
+  const size_t half = WorkspaceBytes(generation) / 2;
+  char* my_arena = WorkspaceArena(generation, ordinal);
+  if (my_arena == nullptr || 2 * slot_bytes * static_cast<size_t>(tp) > half) {
+    return Fail("workspace generation " + std::to_string(generation) + " has no room for " +
+                std::to_string(2 * tp) + " slots of " + std::to_string(partial_bytes) +
+                " bytes on GPU " + std::to_string(ordinal) +
+                " (the op must be traced through jaxflux, which sizes it)");
+  }
+  DeviceGuard guard(ordinal);
+  JAXFLUX_CUDA(guard.status());
+  GroupResources group;
+  if (ffi::Error e = GetGroupResources("matmul_reduce_scatter", generation, ordinal, g, true,
+                                       &group);
+      e.failure()) {
+    return e;
+  }
+  DeviceResources* res = group.self;
+  std::lock_guard<std::mutex> device_lock(res->mu);
+  std::string failed;
+
+  const uint64_t epoch = NextEpoch(g.channel, ordinal);
+  const size_t parity_offset = (epoch & 1) * half;
+  const uint64_t flag_value = epoch * kFlagsPerEpoch + 1;
+  const size_t flag_index = static_cast<size_t>(g.channel) * kMaxDevices;
+  auto recv = [&](int device_rank, int source) {  // recv[source] in the arena of device_rank
+    return group.arenas[device_rank] + parity_offset + static_cast<size_t>(source) * slot_bytes;
+  };
+  char* stage_base = my_arena + parity_offset + static_cast<size_t>(tp) * slot_bytes;
+
+  // Owner p's rows of every batch entry, as one batched GEMM into a contiguous [b, m, N] slot.
+  GemmProblem problem{};
+  problem.b = w.untyped_data();
+  problem.m = static_cast<int>(s.m);
+  problem.n = static_cast<int>(s.n);
+  problem.k = static_cast<int>(s.k);
+  problem.device = ordinal;
+  problem.batch = static_cast<int>(s.batch);
+  problem.batch_stride_a = static_cast<int64_t>(s.rows * s.k);
+  problem.batch_stride_d = static_cast<int64_t>(s.m * s.n);
+  void* gemm_workspace = nullptr;
+  if (const size_t bytes = GemmSm90WorkspaceBytes(s.dtype, problem); bytes > 0) {
+    auto allocation = scratch.Allocate(bytes, 256);
+    if (!allocation.has_value()) {
+      return Fail("could not allocate " + std::to_string(bytes) + " bytes of GEMM scratch");
+    }
+    gemm_workspace = *allocation;
+  }
+  const char* x_base = static_cast<const char*>(x.untyped_data());
+  const bool skip = debug_skip_rank == rank;  // test hook: this rank never signals its peers
+  for (int i = 1; i <= tp; ++i) {
+    const int p = (rank + i) % tp;  // peers first (they wait for us), own rows last
+    problem.a = x_base + static_cast<size_t>(p) * s.m * s.k * s.elem;
+    problem.d = p == rank ? recv(rank, rank) : stage_base + static_cast<size_t>(p) * slot_bytes;
+    if (const char* failure = GemmSm90(s.dtype, problem, gemm_workspace, stream)) {
+      return Fail(failure);
+    }
+    JAXFLUX_CUDA(cudaGetLastError());
+    if (p == rank) break;
+    JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
+    JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
+    JAXFLUX_CUDA(cudaMemcpyAsync(recv(p, rank), problem.d, partial_bytes, cudaMemcpyDefault,
+                                 res->side));
+    if (!skip && !WriteFlag(res->side, group.ranks[p]->ready_flags + flag_index + ordinal,
+                            flag_value, &failed)) {
+      return Fail(failed);
+    }
+  }
+
+  WaitReduceParams reduce{};
+  reduce.tp = static_cast<int32_t>(tp);
+  for (int r = 0; r < tp; ++r) {
+    reduce.partials[r] = recv(rank, r);
+    reduce.flags[r] = r == rank ? nullptr : res->ready_flags + flag_index + g.peers[r];
+  }
+  reduce.target = flag_value;
+  reduce.out = z->untyped_data();
+  reduce.count = s.batch * s.m * s.n;
+  reduce.dtype = s.dtype == GemmDtype::kF16 ? ReduceDtype::kF16 : ReduceDtype::kBF16;
+  reduce.timeout_ns = TimeoutNs();
+  reduce.epoch = epoch;
+  reduce.device = ordinal;
+  reduce.rank = rank;
+  reduce.op = static_cast<int32_t>(OpCode::kMatmulReduceScatter);
+  reduce.error = DeviceErrorRecordPtr();
+  JAXFLUX_CUDA(LaunchWaitReduce(reduce, 2 * std::max(res->sm_count, 1), stream));
+  JAXFLUX_CUDA(cudaEventRecord(res->join, res->side));
+  JAXFLUX_CUDA(cudaStreamWaitEvent(stream, res->join, 0));
+
+  if (DebugEnabled()) {
+    std::fprintf(stderr, "[jaxflux] GPU %d rank %d channel %d: matmul_reduce_scatter epoch %llu, "
+                 "batch %zu, M=%zu N=%zu K=%zu\n", ordinal, rank, g.channel,
+                 static_cast<unsigned long long>(epoch), s.batch, s.rows, s.n, s.k);
+  }
+  if (SyncErrors()) {
+    JAXFLUX_CUDA(cudaStreamSynchronize(stream));
+    if (!pending) pending = TakeDeviceErrorMessage();
+  }
+  if (pending) return ffi::Error::Internal(*pending);
+  return ffi::Error::Success();
+}
+
+ffi::Error GemmRsSiteCached(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator scratch,
+                            ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank_info,
+                            ffi::Result<ffi::AnyBuffer> z, int64_t tp, int64_t num_groups,
+                            int64_t site, int64_t generation, int64_t debug_skip_rank) {
+  return GemmRs(stream, ordinal, std::move(scratch), nullptr, x, w, rank_info, z, tp, num_groups,
+                site, generation, debug_skip_rank);
+}
+
+}  // namespace
+}  // namespace jaxflux
+
+#define JAXFLUX_GEMM_RS_BINDING(...)                                                   \
+  xla::ffi::Ffi::Bind()                                                                \
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>() /* XLA's stream */                \
+      .Ctx<xla::ffi::DeviceOrdinal>()                /* CUDA ordinal */                \
+      .Ctx<xla::ffi::ScratchAllocator>()             /* CUTLASS scratch, if any */     \
+      __VA_ARGS__                                                                      \
+      .Arg<xla::ffi::AnyBuffer>()                    /* x: [..., M, K] */              \
+      .Arg<xla::ffi::AnyBuffer>()                    /* w: [K, N] */                   \
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        /* rank_info */                   \
+      .Ret<xla::ffi::AnyBuffer>()                    /* z: [..., M/tp, N] */           \
+      .Attr<int64_t>("tp")                                                             \
+      .Attr<int64_t>("num_groups")                                                     \
+      .Attr<int64_t>("site")                                                           \
+      .Attr<int64_t>("generation")                                                     \
+      .Attr<int64_t>("debug_skip_rank")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxGemmRsExecute, jaxflux::GemmRs,
+                              JAXFLUX_GEMM_RS_BINDING(
+                                  .Ctx<xla::ffi::State<jaxflux::RankState>>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxGemmRsSiteCached, jaxflux::GemmRsSiteCached,
+                              JAXFLUX_GEMM_RS_BINDING());
