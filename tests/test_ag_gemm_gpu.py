@@ -3,8 +3,6 @@ batch dims, x_full, back-to-back calls with fresh data, mixing with XLA collecti
 determinism, gradients, the compiled HLO, the GEMM-only mode and the bounded wait. Skipped
 unless jaxflux.has_cuda() and at least 2 GPUs."""
 import importlib
-import json
-import pathlib
 import time
 
 import jax
@@ -12,19 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import jaxflux
 from jaxflux import _hlo, _runtime
 from jaxflux.ops.gemm import gemm
+from gpu_util import TOL, bench_shapes, gpu_mesh, operands, reference, rel_err
 
 pytestmark = pytest.mark.gpu
 
 # The module (jaxflux.ops re-exports the function under the same name).
 agm_module = importlib.import_module("jaxflux.ops.all_gather_matmul")
-
-TOL = {jnp.bfloat16: 1e-2, jnp.float16: 5e-3}
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -33,25 +29,6 @@ def _no_device_errors():
   _runtime.check_errors()
   yield
   _runtime.check_errors()
-
-
-def _mesh():
-  devices = jax.devices("gpu") if jaxflux.has_cuda() else []
-  if len(devices) < 2:
-    pytest.skip("needs at least 2 GPUs")
-  return Mesh(np.asarray(devices), ("tp",))
-
-
-def _operands(seed, x_shape, w_shape, dtype):
-  kx, kw = jax.random.split(jax.random.key(seed))
-  return (jax.random.normal(kx, x_shape, jnp.float32).astype(dtype),
-          (jax.random.normal(kw, w_shape, jnp.float32) / np.sqrt(w_shape[0])).astype(dtype))
-
-
-def _rel_err(got, want) -> float:
-  got = np.asarray(got, np.float64)
-  want = np.asarray(want, np.float64)
-  return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
 def _x_spec(ndim):
@@ -73,35 +50,13 @@ def _fused_fn(mesh, ndim, return_gathered=False, impl="fused"):
   return jax.jit(lambda x, w: f(x, w) if return_gathered else f(x, w)[0])
 
 
-def _reference(x, w):
-  return jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32),
-                    precision=lax.Precision.HIGHEST)
-
-
-def _shapes_json():
-  for path in (ROOT.parent / "shared" / "bench" / "shapes.json",
-               ROOT / "benchmarks" / "shapes.json"):
-    if path.exists():
-      return json.loads(path.read_text())
-  pytest.skip("no shapes.json")
-
-
-def _bench_cases():
-  try:
-    shapes = _shapes_json()["ag_gemm"]
-  except BaseException:  # noqa: BLE001 - collection must not fail without the file
-    return []
-  return [pytest.param(M, s["K"], s["N"], id=f"{s['name']}-M{M}") for s in shapes
-          for M in (1024, 8192)]
-
-
-@pytest.mark.parametrize("M,K,N", _bench_cases())
+@pytest.mark.parametrize("M,K,N", bench_shapes("ag_gemm"))
 def test_benchmark_shapes_match_float32_reference(M, K, N):
-  mesh = _mesh()
-  x, w = _operands(M + N, (M, K), (K, N), jnp.bfloat16)
+  mesh = gpu_mesh()
+  x, w = operands(M + N, (M, K), (K, N), jnp.bfloat16)
   got = _fused_fn(mesh, 2)(x, w)
   assert got.shape == (M, N) and got.dtype == jnp.bfloat16
-  assert _rel_err(got, _reference(x, w)) <= TOL[jnp.bfloat16]
+  assert rel_err(got, reference(x, w)) <= TOL[jnp.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -117,41 +72,41 @@ def test_benchmark_shapes_match_float32_reference(M, K, N):
     (8192, 1024, 512, ()),    # several chunks per shard (the pipelined copy)
 ])
 def test_odd_shapes_and_batch_dims(dtype, shard_rows, K, N, batch):
-  mesh = _mesh()
+  mesh = gpu_mesh()
   tp = mesh.shape["tp"]
-  x, w = _operands(shard_rows * K + N, batch + (tp * shard_rows, K), (K, N * tp), dtype)
+  x, w = operands(shard_rows * K + N, batch + (tp * shard_rows, K), (K, N * tp), dtype)
   got = _fused_fn(mesh, x.ndim)(x, w)
   assert got.shape == batch + (tp * shard_rows, N * tp) and got.dtype == dtype
-  assert _rel_err(got, _reference(x, w)) <= TOL[dtype]
+  assert rel_err(got, reference(x, w)) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("batch", [(), (3,)])
 def test_x_full_is_the_exact_gather(batch):
-  mesh = _mesh()
+  mesh = gpu_mesh()
   tp = mesh.shape["tp"]
-  x, w = _operands(3, batch + (tp * 320, 256), (256, 128 * tp), jnp.bfloat16)
+  x, w = operands(3, batch + (tp * 320, 256), (256, 128 * tp), jnp.bfloat16)
   y, x_full = _fused_fn(mesh, x.ndim, return_gathered=True)(x, w)
   np.testing.assert_array_equal(np.asarray(x_full), np.broadcast_to(np.asarray(x),
                                                                      x_full.shape))
-  assert _rel_err(y, _reference(x, w)) <= TOL[jnp.bfloat16]
+  assert rel_err(y, reference(x, w)) <= TOL[jnp.bfloat16]
 
 
 def test_back_to_back_calls_with_fresh_data_and_no_host_sync():
-  mesh = _mesh()
+  mesh = gpu_mesh()
   tp = mesh.shape["tp"]
   f = _fused_fn(mesh, 2)
-  make = jax.jit(lambda i: _operands(i, (tp * 1024, 512), (512, 256 * tp), jnp.bfloat16))
+  make = jax.jit(lambda i: operands(i, (tp * 1024, 512), (512, 256 * tp), jnp.bfloat16))
   inputs, outs = [], []
   for i in range(200):
     x, w = make(jnp.int32(i))
     inputs.append((x, w))
     outs.append(f(x, w))
   for (x, w), y in zip(inputs[::17], outs[::17]):
-    assert _rel_err(y, _reference(x, w)) <= TOL[jnp.bfloat16]
+    assert rel_err(y, reference(x, w)) <= TOL[jnp.bfloat16]
 
 
 def test_mixed_with_xla_collectives_and_in_fori_loop():
-  mesh = _mesh()
+  mesh = gpu_mesh()
   tp = mesh.shape["tp"]
   K = 256
 
@@ -166,30 +121,30 @@ def test_mixed_with_xla_collectives_and_in_fori_loop():
 
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, None)),
                             out_specs=P("tp")))
-  x, w = _operands(5, (tp * 256, K), (K, K), jnp.bfloat16)
+  x, w = operands(5, (tp * 256, K), (K, K), jnp.bfloat16)
   got = f(x, w)
   ref = x.astype(jnp.float32)
   w32 = w.astype(jnp.float32)
   for _ in range(5):
     ref = (jnp.matmul(ref, w32, precision=lax.Precision.HIGHEST) * 0.5).astype(
         jnp.bfloat16).astype(jnp.float32)
-  assert _rel_err(got, ref) <= 3e-2
+  assert rel_err(got, ref) <= 3e-2
 
 
 def test_bitwise_deterministic_run_to_run():
-  mesh = _mesh()
+  mesh = gpu_mesh()
   tp = mesh.shape["tp"]
   f = _fused_fn(mesh, 2)
-  x, w = _operands(9, (tp * 2048, 1024), (1024, 512 * tp), jnp.bfloat16)
+  x, w = operands(9, (tp * 2048, 1024), (1024, 512 * tp), jnp.bfloat16)
   first = np.asarray(f(x, w))
   for _ in range(3):
     np.testing.assert_array_equal(np.asarray(f(x, w)), first)
 
 
 def test_gradients_match_xla_path():
-  mesh = _mesh()
+  mesh = gpu_mesh()
   tp = mesh.shape["tp"]
-  x, w = _operands(11, (tp * 384, 256), (256, 128 * tp), jnp.bfloat16)
+  x, w = operands(11, (tp * 384, 256), (256, 128 * tp), jnp.bfloat16)
   ct = jax.random.normal(jax.random.key(12), (tp * 384, 128 * tp), jnp.float32)
 
   def loss(impl):
@@ -201,14 +156,14 @@ def test_gradients_match_xla_path():
   # Independent float32 reference of the same gradients.
   dx_ref = jnp.matmul(ct, w.astype(jnp.float32).T, precision=lax.Precision.HIGHEST)
   dw_ref = jnp.matmul(x.astype(jnp.float32).T, ct, precision=lax.Precision.HIGHEST)
-  assert _rel_err(dx, dx_ref) <= TOL[jnp.bfloat16]
-  assert _rel_err(dw, dw_ref) <= TOL[jnp.bfloat16]
+  assert rel_err(dx, dx_ref) <= TOL[jnp.bfloat16]
+  assert rel_err(dw, dw_ref) <= TOL[jnp.bfloat16]
 
 
 def test_compiled_hlo_has_the_custom_call_and_no_all_gather():
-  mesh = _mesh()
+  mesh = gpu_mesh()
   tp = mesh.shape["tp"]
-  x, w = _operands(13, (tp * 256, 256), (256, 128 * tp), jnp.bfloat16)
+  x, w = operands(13, (tp * 256, 256), (256, 128 * tp), jnp.bfloat16)
   text = _fused_fn(mesh, 2).lower(x, w).compile().as_text()
   assert any(t.startswith("jaxflux_all_gather_matmul") for t in _hlo.custom_call_targets(text))
   assert _hlo.count_collectives(text).get("all-gather", 0) == 0
@@ -216,18 +171,18 @@ def test_compiled_hlo_has_the_custom_call_and_no_all_gather():
 
 @pytest.mark.parametrize("M,K,N", [(1000, 264, 136), (4096, 1024, 2048)])
 def test_gemm_only_mode_matches_float32_reference(M, K, N):
-  _mesh()
-  x, w = _operands(M, (M, K), (K, N), jnp.bfloat16)
+  gpu_mesh()
+  x, w = operands(M, (M, K), (K, N), jnp.bfloat16)
   got = jax.jit(lambda x, w: gemm(x, w, tile_order="all_gather_matmul"))(x, w)
-  assert _rel_err(got, _reference(x, w)) <= TOL[jnp.bfloat16]
+  assert rel_err(got, reference(x, w)) <= TOL[jnp.bfloat16]
 
 
 def test_a_peer_that_never_signals_times_out_instead_of_hanging():
-  mesh = _mesh()
+  mesh = gpu_mesh()
   tp = mesh.shape["tp"]
   jaxflux.configure(timeout_s=2.0)
   try:
-    x, w = _operands(17, (tp * 256, 256), (256, 128 * tp), jnp.bfloat16)
+    x, w = operands(17, (tp * 256, 256), (256, 128 * tp), jnp.bfloat16)
 
     def make(skip):
       body = lambda x, w: agm_module._fused(x, w, "tp", False, debug_skip_rank=skip)[0]
@@ -242,7 +197,7 @@ def test_a_peer_that_never_signals_times_out_instead_of_hanging():
     with pytest.raises(RuntimeError, match=r"all_gather_matmul: rank 1 .* timed out .* rank 0"):
       _runtime.check_errors()
     # Epochs stay aligned: the next call is correct again.
-    assert _rel_err(good(x, w), _reference(x, w)) <= TOL[jnp.bfloat16]
+    assert rel_err(good(x, w), reference(x, w)) <= TOL[jnp.bfloat16]
   finally:
     jaxflux.configure(timeout_s=30.0)
     _runtime.check_errors()

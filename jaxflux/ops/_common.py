@@ -65,25 +65,33 @@ def resolve_impl(op: str, impl: str, x, w, fused_supported, auto_prefers_fused=N
   if impl == "xla":
     return "xla"
   if impl == "fused":
-    for name, a in (("x", x), ("w", w)):
-      if a.dtype not in FUSED_DTYPES:
-        raise TypeError(f"{op}(impl='fused'): {name}.dtype={a.dtype} is not supported by the fused "
-                        "kernel, which takes bfloat16 or float16 inputs (fp32 accumulation). Cast "
-                        "the inputs, or use impl='auto'/'xla'.")
-    if x.dtype != w.dtype:
-      raise TypeError(f"{op}(impl='fused'): x.dtype={x.dtype} and w.dtype={w.dtype} differ; the "
-                      "fused kernel needs one input dtype. Cast one of them.")
+    dtype_error = _fused_dtype_error(op, x, w)
+    if dtype_error is not None:
+      raise TypeError(dtype_error)
     reason = fused_supported(x, w)
     if reason is not None:
       raise FusedKernelUnavailableError(f"{op}(impl='fused'): {reason} Use impl='auto' to fall "
                                         "back to XLA where the fused kernel cannot run.")
     return "fused"
   # auto: fused only where a kernel exists and measurements say it wins.
-  if x.dtype not in FUSED_DTYPES or x.dtype != w.dtype or fused_supported(x, w) is not None:
+  if _fused_dtype_error(op, x, w) is not None or fused_supported(x, w) is not None:
     return "xla"
   if auto_prefers_fused is not None and not auto_prefers_fused(x, w):
     return "xla"
   return "fused"
+
+
+def _fused_dtype_error(op: str, x, w) -> str | None:
+  """The error impl="fused" raises for x/w dtypes no fused kernel takes, or None."""
+  for name, a in (("x", x), ("w", w)):
+    if a.dtype not in FUSED_DTYPES:
+      return (f"{op}(impl='fused'): {name}.dtype={a.dtype} is not supported by the fused kernel, "
+              "which takes bfloat16 or float16 inputs (fp32 accumulation). Cast the inputs, or "
+              "use impl='auto'/'xla'.")
+  if x.dtype != w.dtype:
+    return (f"{op}(impl='fused'): x.dtype={x.dtype} and w.dtype={w.dtype} differ; the fused "
+            "kernel needs one input dtype. Cast one of them.")
+  return None
 
 
 def platform_reason() -> str | None:

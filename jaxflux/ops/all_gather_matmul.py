@@ -59,11 +59,17 @@ def all_gather_matmul(x, w, axis_name: str, *, return_gathered: bool = False, im
                             _common.static_dtype(preferred_element_type), precision)
 
 
-def _fused_unsupported_reason(x, w, preferred_element_type) -> str | None:
+MAX_FUSED_TP = 8  # one NVLink domain: the ranks' workspaces are peer-mapped in one process
+
+
+def _fused_unsupported_reason(x, w, preferred_element_type, tp: int) -> str | None:
   """Why the fused AllGather+GEMM kernel cannot run on these operands here, or None."""
   reason = _common.platform_reason()
   if reason is not None:
     return reason
+  if tp > MAX_FUSED_TP:
+    return (f"the tensor-parallel axis has size {tp}; the fused kernel supports groups of up to "
+            f"{MAX_FUSED_TP} GPUs (one NVLink domain).")
   k, n = w.shape
   if k % 8 or n % 8:
     return (f"this device's w shard is [K, N] = [{k}, {n}]; the kernel needs K and N multiples "
@@ -96,7 +102,7 @@ def _resolve(impl, x, w, preferred_element_type, axis_name) -> str:
   tp = lax.axis_size(axis_name)
   return _common.resolve_impl(
       "all_gather_matmul", impl, x, w,
-      lambda x, w: _fused_unsupported_reason(x, w, preferred_element_type),
+      lambda x, w: _fused_unsupported_reason(x, w, preferred_element_type, tp),
       auto_prefers_fused=lambda x, w: _auto_prefers_fused(x, w, tp))
 
 
@@ -128,10 +134,6 @@ def _fused(x, w, axis_name, want_gathered, debug_skip_rank=-1):
   if tp == 1:  # nothing to gather
     y = gemm_module.gemm(x, w)
     return y, (x if want_gathered else None)
-  if tp > 8:
-    raise _common.FusedKernelUnavailableError(
-        f"all_gather_matmul(impl='fused'): axis {axis_name!r} has size {tp}; the fused kernel "
-        "supports groups of up to 8 GPUs (one NVLink domain). Use impl='xla'.")
   info, num_groups = all_gather_module.rank_info(axis_name)
   shard_bytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
   # The gathered A: two parities of tp shards each, every parity half 256-byte aligned.

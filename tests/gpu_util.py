@@ -1,0 +1,56 @@
+"""Helpers shared by the GPU tests of the fused kernels and their GEMM."""
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh
+
+import jaxflux
+
+# Relative Frobenius error allowed against a float32 reference.
+TOL = {jnp.bfloat16: 1e-2, jnp.float16: 5e-3}
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def gpu_mesh() -> Mesh:
+  """A 1-D ('tp',) mesh over every local GPU; skips the test with fewer than 2."""
+  devices = jax.devices("gpu") if jaxflux.has_cuda() else []
+  if len(devices) < 2:
+    pytest.skip("needs at least 2 GPUs")
+  return Mesh(np.asarray(devices), ("tp",))
+
+
+def operands(seed, x_shape, w_shape, dtype, scale_w=True):
+  """Fresh random x and w; scale_w divides w by sqrt(K) to keep outputs O(1)."""
+  kx, kw = jax.random.split(jax.random.key(seed))
+  w = jax.random.normal(kw, w_shape, jnp.float32)
+  if scale_w:
+    w = w / np.sqrt(w_shape[0])
+  return jax.random.normal(kx, x_shape, jnp.float32).astype(dtype), w.astype(dtype)
+
+
+def rel_err(got, want) -> float:
+  got = np.asarray(got, np.float64)
+  want = np.asarray(want, np.float64)
+  return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def reference(x, w):
+  """x @ w in float32 at the highest precision: the independent reference."""
+  return jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32),
+                    precision=lax.Precision.HIGHEST)
+
+
+def bench_shapes(op: str) -> list:
+  """pytest params (M, K, N) for every `op` shape of shapes.json at M in {1024, 8192}."""
+  for path in (ROOT.parent / "shared" / "bench" / "shapes.json",
+               ROOT / "benchmarks" / "shapes.json"):
+    if path.exists():
+      shapes = json.loads(path.read_text())[op]
+      return [pytest.param(M, s["K"], s["N"], id=f"{s['name']}-M{M}") for s in shapes
+              for M in (1024, 8192)]
+  return []
