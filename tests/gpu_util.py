@@ -1,4 +1,4 @@
-"""Helpers shared by the fused kernels' GPU tests (test_ag_gemm_gpu.py, test_gemm_rs_gpu.py)."""
+"""Helpers shared by the GPU tests of the fused kernels and their GEMM."""
 import json
 import pathlib
 
@@ -24,11 +24,13 @@ def gpu_mesh() -> Mesh:
   return Mesh(np.asarray(devices), ("tp",))
 
 
-def operands(seed, x_shape, w_shape, dtype):
-  """Fresh random x and w (w scaled by 1/sqrt(K) to keep outputs O(1))."""
+def operands(seed, x_shape, w_shape, dtype, scale_w=True):
+  """Fresh random x and w; scale_w divides w by sqrt(K) to keep outputs O(1)."""
   kx, kw = jax.random.split(jax.random.key(seed))
-  return (jax.random.normal(kx, x_shape, jnp.float32).astype(dtype),
-          (jax.random.normal(kw, w_shape, jnp.float32) / np.sqrt(w_shape[0])).astype(dtype))
+  w = jax.random.normal(kw, w_shape, jnp.float32)
+  if scale_w:
+    w = w / np.sqrt(w_shape[0])
+  return jax.random.normal(kx, x_shape, jnp.float32).astype(dtype), w.astype(dtype)
 
 
 def rel_err(got, want) -> float:

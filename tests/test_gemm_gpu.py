@@ -1,4 +1,5 @@
 """GEMM-only mode of the fused kernels' GEMM (CUTLASS sm90) against a float32 reference."""
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -8,25 +9,11 @@ from jax.sharding import PartitionSpec as P
 
 import jaxflux
 from jaxflux.ops.gemm import gemm
+import gpu_util
+from gpu_util import TOL, reference, rel_err
 
-TOL = {jnp.bfloat16: 1e-2, jnp.float16: 5e-3}
-
-
-def rel_err(got, want) -> float:
-  got = np.asarray(got, np.float64)
-  want = np.asarray(want, np.float64)
-  return float(np.linalg.norm(got - want) / np.linalg.norm(want))
-
-
-def operands(seed, x_shape, w_shape, dtype):
-  kx, kw = jax.random.split(jax.random.key(seed))
-  return (jax.random.normal(kx, x_shape, jnp.float32).astype(dtype),
-          jax.random.normal(kw, w_shape, jnp.float32).astype(dtype))
-
-
-def reference(x, w):
-  return jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32),
-                    precision=jax.lax.Precision.HIGHEST)
+# Unscaled w, as these tests always used.
+operands = functools.partial(gpu_util.operands, scale_w=False)
 
 
 @pytest.mark.gpu

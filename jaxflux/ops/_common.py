@@ -65,25 +65,33 @@ def resolve_impl(op: str, impl: str, x, w, fused_supported, auto_prefers_fused=N
   if impl == "xla":
     return "xla"
   if impl == "fused":
-    for name, a in (("x", x), ("w", w)):
-      if a.dtype not in FUSED_DTYPES:
-        raise TypeError(f"{op}(impl='fused'): {name}.dtype={a.dtype} is not supported by the fused "
-                        "kernel, which takes bfloat16 or float16 inputs (fp32 accumulation). Cast "
-                        "the inputs, or use impl='auto'/'xla'.")
-    if x.dtype != w.dtype:
-      raise TypeError(f"{op}(impl='fused'): x.dtype={x.dtype} and w.dtype={w.dtype} differ; the "
-                      "fused kernel needs one input dtype. Cast one of them.")
+    dtype_error = _fused_dtype_error(op, x, w)
+    if dtype_error is not None:
+      raise TypeError(dtype_error)
     reason = fused_supported(x, w)
     if reason is not None:
       raise FusedKernelUnavailableError(f"{op}(impl='fused'): {reason} Use impl='auto' to fall "
                                         "back to XLA where the fused kernel cannot run.")
     return "fused"
   # auto: fused only where a kernel exists and measurements say it wins.
-  if x.dtype not in FUSED_DTYPES or x.dtype != w.dtype or fused_supported(x, w) is not None:
+  if _fused_dtype_error(op, x, w) is not None or fused_supported(x, w) is not None:
     return "xla"
   if auto_prefers_fused is not None and not auto_prefers_fused(x, w):
     return "xla"
   return "fused"
+
+
+def _fused_dtype_error(op: str, x, w) -> str | None:
+  """The error impl="fused" raises for x/w dtypes no fused kernel takes, or None."""
+  for name, a in (("x", x), ("w", w)):
+    if a.dtype not in FUSED_DTYPES:
+      return (f"{op}(impl='fused'): {name}.dtype={a.dtype} is not supported by the fused kernel, "
+              "which takes bfloat16 or float16 inputs (fp32 accumulation). Cast the inputs, or "
+              "use impl='auto'/'xla'.")
+  if x.dtype != w.dtype:
+    return (f"{op}(impl='fused'): x.dtype={x.dtype} and w.dtype={w.dtype} differ; the fused "
+            "kernel needs one input dtype. Cast one of them.")
+  return None
 
 
 def platform_reason() -> str | None:
@@ -100,9 +108,15 @@ def platform_reason() -> str | None:
   return None
 
 
-def fused_operand_reason(x, w, preferred_element_type) -> str | None:
-  """Why neither fused kernel takes these per-device operands, or None (both kernels share the
-  CUTLASS GEMM: 16-byte rows for TMA, output in the input dtype)."""
+MAX_FUSED_TP = 8  # one NVLink domain: the ranks' workspaces are peer-mapped in one process
+
+
+def fused_operand_reason(x, w, preferred_element_type, tp: int) -> str | None:
+  """Why neither fused kernel takes these per-device operands at this group size, or None (both
+  kernels share the CUTLASS GEMM: 16-byte rows for TMA, output in the input dtype)."""
+  if tp > MAX_FUSED_TP:
+    return (f"the tensor-parallel axis has size {tp}; the fused kernels support groups of up to "
+            f"{MAX_FUSED_TP} GPUs (one NVLink domain).")
   k, n = w.shape
   if k % 8 or n % 8:
     return (f"this device's w shard is [K, N] = [{k}, {n}]; the kernel needs K and N multiples "

@@ -59,12 +59,12 @@ def all_gather_matmul(x, w, axis_name: str, *, return_gathered: bool = False, im
                             _common.static_dtype(preferred_element_type), precision)
 
 
-def _fused_unsupported_reason(x, w, preferred_element_type) -> str | None:
+def _fused_unsupported_reason(x, w, preferred_element_type, tp: int) -> str | None:
   """Why the fused AllGather+GEMM kernel cannot run on these operands here, or None."""
   reason = _common.platform_reason()
   if reason is not None:
     return reason
-  return _common.fused_operand_reason(x, w, preferred_element_type)
+  return _common.fused_operand_reason(x, w, preferred_element_type, tp)
 
 
 # impl="auto" takes the fused kernel only where the benchmark measured it ahead of XLA unfused:
@@ -86,7 +86,7 @@ def _resolve(impl, x, w, preferred_element_type, axis_name) -> str:
   tp = lax.axis_size(axis_name)
   return _common.resolve_impl(
       "all_gather_matmul", impl, x, w,
-      lambda x, w: _fused_unsupported_reason(x, w, preferred_element_type),
+      lambda x, w: _fused_unsupported_reason(x, w, preferred_element_type, tp),
       auto_prefers_fused=lambda x, w: _auto_prefers_fused(x, w, tp))
 
 
@@ -119,10 +119,6 @@ def _fused(x, w, axis_name, want_gathered, debug_skip_rank=-1, config=None):
   if tp == 1:  # nothing to gather
     y = gemm_module.gemm(x, w)
     return y, (x if want_gathered else None)
-  if tp > 8:
-    raise _common.FusedKernelUnavailableError(
-        f"all_gather_matmul(impl='fused'): axis {axis_name!r} has size {tp}; the fused kernel "
-        "supports groups of up to 8 GPUs (one NVLink domain). Use impl='xla'.")
   info, num_groups = all_gather_module.rank_info(axis_name)
   shard_bytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
   # The gathered A: two parities of tp shards each, every parity half 256-byte aligned.

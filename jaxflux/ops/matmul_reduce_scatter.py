@@ -59,12 +59,12 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, impl: str = "auto",
                                 _common.static_dtype(preferred_element_type), precision)
 
 
-def _fused_unsupported_reason(x, w, preferred_element_type) -> str | None:
+def _fused_unsupported_reason(x, w, preferred_element_type, tp: int) -> str | None:
   """Why the fused GEMM+ReduceScatter kernel cannot run on these operands here, or None."""
   reason = _common.platform_reason()
   if reason is not None:
     return reason
-  return _common.fused_operand_reason(x, w, preferred_element_type)
+  return _common.fused_operand_reason(x, w, preferred_element_type, tp)
 
 
 def _auto_prefers_fused(x, w, tp: int) -> bool:
@@ -77,7 +77,7 @@ def _resolve(impl, x, w, preferred_element_type, axis_name) -> str:
   tp = lax.axis_size(axis_name)
   return _common.resolve_impl(
       "matmul_reduce_scatter", impl, x, w,
-      lambda x, w: _fused_unsupported_reason(x, w, preferred_element_type),
+      lambda x, w: _fused_unsupported_reason(x, w, preferred_element_type, tp),
       auto_prefers_fused=lambda x, w: _auto_prefers_fused(x, w, tp))
 
 
@@ -105,10 +105,6 @@ def _fused(x, w, axis_name, debug_skip_rank=-1):
   tp = lax.axis_size(axis_name)
   if tp == 1:  # nothing to reduce
     return gemm_module.gemm(x, w)
-  if tp > 8:
-    raise _common.FusedKernelUnavailableError(
-        f"matmul_reduce_scatter(impl='fused'): axis {axis_name!r} has size {tp}; the fused "
-        "kernel supports groups of up to 8 GPUs (one NVLink domain). Use impl='xla'.")
   info, num_groups = all_gather_module.rank_info(axis_name)
   m = x.shape[-2] // tp
   n = w.shape[1]

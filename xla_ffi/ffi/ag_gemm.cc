@@ -40,8 +40,6 @@ namespace ffi = xla::ffi;
 namespace jaxflux {
 namespace {
 
-constexpr int kMaxChunks = 4;                          // same flag numbering as the all-gather
-constexpr size_t kChunkTargetBytes = size_t{8} << 20;  // pipelining granularity of large shards
 constexpr int kChunkRowAlign = 128;                    // the GEMM's tile height
 
 constexpr char kOp[] = "all_gather_matmul";
@@ -182,8 +180,8 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   // The local shard goes into A on the main stream, before the GEMM. Not on the side stream: a
   // copy within one device runs as a kernel, which needs an SM, and the GEMM holds every SM while
   // it waits for that copy (measured on 2xH200: the wait timed out, even with the driver asked
-  // to prefer a copy engine). Costs one read and write of the shard, serially (~45 µs for 64 MiB
-  // on H200).
+  // to prefer a copy engine). Costs one read and write of the shard, serially (not measured
+  // separately; at H200's HBM bandwidth an estimated few tens of µs for 64 MiB).
   for (size_t b = 0; b < s.batch; ++b) {
     JAXFLUX_CUDA(cudaMemcpyAsync(my_arena + parity_offset + b * a_pitch + rank * entry_bytes,
                                  x_base + b * entry_bytes, entry_bytes, cudaMemcpyDeviceToDevice,

@@ -32,8 +32,6 @@ namespace jaxflux {
 
 namespace {
 
-constexpr size_t kChunkTargetBytes = size_t{8} << 20;   // pipelining granularity of large shards
-constexpr int kMaxChunks = 4;
 
 ffi::Error CudaError(const std::string& call, cudaError_t err) {
   return ffi::Error::Internal("jaxflux all_gather: " + call + " failed: " +
@@ -327,33 +325,25 @@ ffi::Error AllGatherSiteCached(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxAllGatherInstantiate, jaxflux::AllGatherInstantiate,
                               xla::ffi::Ffi::BindInstantiate());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxfluxAllGatherExecute, jaxflux::AllGatherExecute,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()       // XLA's stream for this device
-        .Ctx<xla::ffi::DeviceOrdinal>()                      // CUDA ordinal of this device
-        .Ctx<xla::ffi::State<jaxflux::RankState>>()          // ranks cached per executable
-        .Arg<xla::ffi::AnyBuffer>()                          // x: local shard [..., m, k]
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()              // rank_info: [axis_index, group]
-        .Ret<xla::ffi::AnyBuffer>()                          // out: [..., tp*m, k]
-        .Attr<int64_t>("tp")                                 // group size
-        .Attr<int64_t>("num_groups")                         // groups over the other mesh axes
-        .Attr<int64_t>("site")                               // unique id of the traced call
-        .Attr<int64_t>("generation")                         // workspace generation to use
-        .Attr<int64_t>("debug_skip_rank")                    // test hook: rank that never signals
-        .Attr<int64_t>("mark_landed"));                      // set per-chunk landed flags
+// The stateful and the site-cached target differ only in the State context.
+#define JAXFLUX_ALL_GATHER_BINDING(...)                                                  \
+  xla::ffi::Ffi::Bind()                                                                  \
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>() /* XLA's stream for this device */  \
+      .Ctx<xla::ffi::DeviceOrdinal>()                /* CUDA ordinal of this device */   \
+      __VA_ARGS__                                                                        \
+      .Arg<xla::ffi::AnyBuffer>()             /* x: local shard [..., m, k] */           \
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>() /* rank_info: [axis_index, group] */       \
+      .Ret<xla::ffi::AnyBuffer>()             /* out: [..., tp*m, k] */                  \
+      .Attr<int64_t>("tp")                    /* group size */                           \
+      .Attr<int64_t>("num_groups")            /* groups over the other mesh axes */      \
+      .Attr<int64_t>("site")                  /* unique id of the traced call */         \
+      .Attr<int64_t>("generation")            /* workspace generation to use */          \
+      .Attr<int64_t>("debug_skip_rank")       /* test hook: rank that never signals */   \
+      .Attr<int64_t>("mark_landed")           /* set per-chunk landed flags */
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxfluxAllGatherSiteCached, jaxflux::AllGatherSiteCached,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()       // XLA's stream for this device
-        .Ctx<xla::ffi::DeviceOrdinal>()                      // CUDA ordinal of this device
-        .Arg<xla::ffi::AnyBuffer>()                          // x: local shard [..., m, k]
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()              // rank_info: [axis_index, group]
-        .Ret<xla::ffi::AnyBuffer>()                          // out: [..., tp*m, k]
-        .Attr<int64_t>("tp")                                 // group size
-        .Attr<int64_t>("num_groups")                         // groups over the other mesh axes
-        .Attr<int64_t>("site")                               // unique id of the traced call
-        .Attr<int64_t>("generation")                         // workspace generation to use
-        .Attr<int64_t>("debug_skip_rank")                    // test hook: rank that never signals
-        .Attr<int64_t>("mark_landed"));                      // set per-chunk landed flags
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxAllGatherExecute, jaxflux::AllGatherExecute,
+                              JAXFLUX_ALL_GATHER_BINDING(
+                                  .Ctx<xla::ffi::State<jaxflux::RankState>>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxAllGatherSiteCached, jaxflux::AllGatherSiteCached,
+                              JAXFLUX_ALL_GATHER_BINDING());

@@ -59,7 +59,7 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
   const GemmProblem problem{a.untyped_data(), b.untyped_data(), d->untyped_data(),
                             static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
                             device};
-  AgGemmProblem fused{};
+  AgGemmProblem fused{};  // tile_order 1: one shard (no rotation), waits off
   fused.gemm = problem;
   fused.wait_for_flags = 0;
   if (config >= kAgGemmNumConfigs) {
@@ -70,10 +70,10 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
   fused.wait.tp = 1;
   fused.wait.rows_per_shard = static_cast<int>(m);
   fused.wait.chunk_rows = static_cast<int>(m);
-  const size_t scratch_bytes = tile_order == 1 ? AgGemmSm90WorkspaceBytes(which, fused)
-                                               : GemmSm90WorkspaceBytes(which, problem);
+  const size_t bytes = tile_order == 1 ? AgGemmSm90WorkspaceBytes(which, fused)
+                                       : GemmSm90WorkspaceBytes(which, problem);
   void* workspace = nullptr;
-  if (const size_t bytes = scratch_bytes; bytes > 0) {
+  if (bytes > 0) {
     auto allocation = scratch.Allocate(bytes, 256);
     if (!allocation.has_value()) {
       return ffi::Error::Internal("jaxflux gemm: could not allocate " +

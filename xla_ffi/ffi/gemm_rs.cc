@@ -42,8 +42,6 @@ namespace ffi = xla::ffi;
 namespace jaxflux {
 namespace {
 
-constexpr uint64_t kFlagsPerEpoch = 4;  // the channel's flag numbering (all ops share it)
-
 constexpr char kOp[] = "matmul_reduce_scatter";
 
 ffi::Error Fail(const std::string& what) { return OpError(kOp, what); }
@@ -135,7 +133,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
 
   const uint64_t epoch = NextEpoch(g.channel, ordinal);
   const size_t parity_offset = (epoch & 1) * half;
-  const uint64_t flag_value = epoch * kFlagsPerEpoch + 1;
+  const uint64_t flag_value = epoch * kMaxChunks + 1;  // one chunk: the whole partial
   const size_t flag_index = static_cast<size_t>(g.channel) * kMaxDevices;
   auto recv = [&](int device_rank, int source) {  // recv[source] in the arena of device_rank
     return group.arenas[device_rank] + parity_offset + static_cast<size_t>(source) * slot_bytes;

@@ -2,7 +2,6 @@
 // scheduler (ag_gemm_scheduler_sm90.cuh). One .cu per element type instantiates it.
 #pragma once
 
-#include <algorithm>
 #include <cstdlib>
 
 #include "xla_ffi/kernels/ag_gemm_scheduler_sm90.cuh"
@@ -31,23 +30,12 @@ inline int Swizzle() {
   return value;
 }
 
-// SMs left out of the persistent grid (JAXFLUX_AG_GEMM_SM_MARGIN, default 0): a measurement knob
-// for whether anything on the side stream needs an SM while the GEMM spins.
-inline int SmMargin() {
-  static const int value = [] {
-    const char* env = std::getenv("JAXFLUX_AG_GEMM_SM_MARGIN");
-    return env ? std::max(0, std::atoi(env)) : 0;
-  }();
-  return value;
-}
-
 template <class Element, class Tiles>
 typename Config<Element, Tiles>::Gemm::Arguments MakeArguments(const AgGemmProblem& p) {
   using C = Config<Element, Tiles>;
   constexpr int kTileM = cute::get<0>(typename C::Tile{});
   constexpr int kClusterM = cute::get<0>(typename C::Cluster{});
   auto args = gemm_sm90::MakeArguments<C>(p.gemm);
-  args.hw_info.sm_count = std::max(1, args.hw_info.sm_count - SmMargin());
   auto& s = args.scheduler;
   using Options = typename C::Kernel::TileScheduler::RasterOrderOptions;
   // Along N: consecutive tiles share their A rows, so the kernel sweeps the gathered rows in

@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <array>
+#include <cstddef>
 #include <atomic>
 #include <cstdint>
 #include <mutex>
@@ -14,6 +15,12 @@
 #include "xla_ffi/kernels/signal_kernels.h"
 
 namespace jaxflux {
+
+// Flag numbering shared by every op on a channel: chunk c of a shard at epoch e is announced by
+// the value e * kMaxChunks + c + 1, so values grow monotonically across epochs and ops.
+inline constexpr int kMaxChunks = 4;
+// Pipelining granularity: shards are cut into chunks of about this many bytes (<= kMaxChunks).
+inline constexpr size_t kChunkTargetBytes = size_t{8} << 20;
 
 // Where one device stands in its tensor-parallel group, found once per executable instance.
 struct GroupInfo {
