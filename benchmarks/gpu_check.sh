@@ -38,10 +38,10 @@ timeout 240 python3 -m jaxflux.bench --op ag_gemm --M 2048,8192 \
   --variants gemm,gemm_only,comm,xla,jaxflux,auto --timing dispatch --iters 50 --repeats 3 \
   --warmup 5 --out "$OUTDIR/ag_gemm_fused.json" 2>&1 | grep -A12 "^name" || status=1
 
-echo "== GEMM+ReduceScatter baseline (XLA; its fused kernel is not built yet)"
-timeout 120 python3 -m jaxflux.bench --op gemm_rs --shapes llama70b-fc2 --M 2048,8192 \
-  --variants gemm,comm,xla,jaxflux,auto --out "$OUTDIR/gemm_rs_baseline.json" 2>&1 | tail -4 \
-  || status=1
+echo "== fused GEMM+ReduceScatter vs XLA (every gemm_rs shape at M=2048,8192)"
+timeout 200 python3 -m jaxflux.bench --op gemm_rs --M 2048,8192 \
+  --variants gemm,comm,xla,jaxflux,auto --timing dispatch --iters 30 --repeats 3 --warmup 3 \
+  --out "$OUTDIR/gemm_rs_fused.json" 2>&1 | grep -A12 "^name" || status=1
 
 echo "== training example on all GPUs (bf16)"
 timeout 120 python3 examples/train_tp_transformer.py --dtype bfloat16 --steps 20 2>&1 \

@@ -107,3 +107,23 @@ def test_fused_reduce_scatter_forward_and_grad_trace(fake_gpu):
   text = _jaxpr_text(jax.grad(loss, argnums=(0, 1)), x, w)
   # The backward of GEMM+ReduceScatter is the fused AllGather+GEMM.
   assert "jaxflux_all_gather_matmul" in text and "jaxflux_matmul_reduce_scatter" in text
+
+
+@pytest.mark.parametrize("tp,rows,k_local,fused", [
+    (2, 2048, 64, True),         # measured ahead of XLA on 2xH200
+    (2, 8192, 14336, True),      # Llama-70B FC2: 1.09x
+    (2, 16384, 14336, False),    # Llama-70B FC2: within noise of XLA, so XLA
+    (2, 16384, 24576, False),    # GPT-3 FC2: measured at parity
+    (2, 1024, 64, False),        # below the measured region
+    (4, 8192, 64, False),        # tp=4 not measured yet
+])
+def test_auto_reduce_scatter_takes_fused_only_where_measured_ahead(fake_gpu, tp, rows, k_local,
+                                                                   fused):
+  x = jax.ShapeDtypeStruct((rows, k_local * tp), jnp.bfloat16)  # per device [rows, k_local]
+  w = jax.ShapeDtypeStruct((k_local * tp, 32), jnp.bfloat16)
+  mesh = make_mesh((tp,), ("tp",))
+  f = jax.shard_map(lambda x, w: jaxflux.matmul_reduce_scatter(x, w, "tp", impl="auto"),
+                    mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None))
+  text = _jaxpr_text(f, x, w)
+  assert ("jaxflux_matmul_reduce_scatter" in text) == fused
+  assert ("reduce_scatter[" in text) == (not fused)  # XLA's psum_scatter primitive

@@ -81,6 +81,16 @@ def resolve_impl(op: str, impl: str, x, w, fused_supported, auto_prefers_fused=N
   return "fused"
 
 
+def resolve_on_axis(op: str, impl: str, x, w, preferred_element_type, axis_name,
+                    unsupported_reason, auto_prefers_fused) -> str:
+  """resolve_impl for an op inside shard_map: `unsupported_reason(x, w, preferred_element_type,
+  tp)` and `auto_prefers_fused(x, w, tp)` are the op's own rules, given the axis size."""
+  tp = lax.axis_size(axis_name)
+  return resolve_impl(
+      op, impl, x, w, lambda x, w: unsupported_reason(x, w, preferred_element_type, tp),
+      auto_prefers_fused=lambda x, w: auto_prefers_fused(x, w, tp))
+
+
 def _fused_dtype_error(op: str, x, w) -> str | None:
   """The error impl="fused" raises for x/w dtypes no fused kernel takes, or None."""
   for name, a in (("x", x), ("w", w)):

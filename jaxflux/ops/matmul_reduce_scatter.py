@@ -67,18 +67,28 @@ def _fused_unsupported_reason(x, w, preferred_element_type, tp: int) -> str | No
   return _common.fused_operand_reason(x, w, preferred_element_type, tp)
 
 
+# impl="auto" runs the fused kernel inside the region where it was measured ahead of XLA by more
+# than the run-to-run noise (benchmarks/README.md, 2xH200, tp=2): from M = 2048 rows up, unless
+# the per-device GEMM is so long that the communication it hides is a few percent of it and the
+# kernel's own costs (two half-height GEMMs, one reduction pass) eat the gain. Rows past the cap
+# measured 0.99x-1.04x XLA (GPT-3 FC2 at M=8192 and 16384, Llama-70B FC2 at M=16384, with the
+# same kernel timed 7% apart in one run); every row under it with M >= 2048 won by >= 1.05x.
+AUTO_FUSED_TP = (2,)
+AUTO_FUSED_MIN_ROWS = 2048          # rows of x (all tokens, times batch) before the scatter
+AUTO_FUSED_MAX_ROWS_TIMES_K = 2**27  # rows * (K / tp), the per-device GEMM's M * K
+
+
 def _auto_prefers_fused(x, w, tp: int) -> bool:
-  """impl="auto": no shape is measured ahead of XLA yet (benchmarks/README.md), so XLA."""
-  del x, w, tp
-  return False
+  """impl="auto": fused only inside the measured winning region (see AUTO_FUSED_*)."""
+  del w
+  rows = x.size // x.shape[-1]
+  return (tp in AUTO_FUSED_TP and rows >= AUTO_FUSED_MIN_ROWS
+          and rows * x.shape[-1] <= AUTO_FUSED_MAX_ROWS_TIMES_K)
 
 
 def _resolve(impl, x, w, preferred_element_type, axis_name) -> str:
-  tp = lax.axis_size(axis_name)
-  return _common.resolve_impl(
-      "matmul_reduce_scatter", impl, x, w,
-      lambda x, w: _fused_unsupported_reason(x, w, preferred_element_type, tp),
-      auto_prefers_fused=lambda x, w: _auto_prefers_fused(x, w, tp))
+  return _common.resolve_on_axis("matmul_reduce_scatter", impl, x, w, preferred_element_type, axis_name,
+                                 _fused_unsupported_reason, _auto_prefers_fused)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))

@@ -3,6 +3,7 @@
 #include <cstdlib>
 
 #include "xla_ffi/kernels/ag_gemm_sm90.h"
+#include "xla_ffi/kernels/device_info.h"
 
 namespace jaxflux {
 
@@ -48,13 +49,22 @@ const Entry& Lookup(GemmDtype dtype, AgGemmConfig config) {
 }  // namespace
 
 AgGemmConfig ChooseAgGemmConfig(const GemmProblem& problem) {
-  (void)problem;
   static const int forced = [] {
     const char* env = std::getenv("JAXFLUX_AG_GEMM_CONFIG");
     const int c = env ? std::atoi(env) : -1;
     return (c >= 0 && c < kAgGemmNumConfigs) ? c : -1;
   }();
   if (forced >= 0) return static_cast<AgGemmConfig>(forced);
+  // Measured on 2xH200 (benchmarks/results/ag_gemm_gpu_tp2_config*_2026-11-30.json): the
+  // cooperative 128x256 tile with a 2x1 cluster is the fastest config on every row but one. The
+  // exception has few tiles (Llama-70B QKV at M=2048: 320 tiles on 132 SMs, 2.4 waves): with
+  // under kMinWaves waves of 128x256 tiles the last, partly empty wave costs more than the bigger
+  // tile saves, and the 128x128 ping-pong tile (twice the tiles, so a smaller last wave) wins.
+  constexpr long kMinWaves = 4;
+  const long sms = SmCount(problem.device);
+  const long tiles = static_cast<long>(problem.batch) * ((problem.m + 127) / 128) *
+                     ((problem.n + 255) / 256);
+  if (sms > 0 && tiles < kMinWaves * sms) return AgGemmConfig::kPingpong128x128Cluster1x2;
   return AgGemmConfig::kCoop128x256Cluster2x1;
 }
 

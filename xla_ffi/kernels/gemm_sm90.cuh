@@ -7,7 +7,6 @@
 // instantiates a few more (ag_gemm_sm90.h, AgGemmConfig) to choose from per shape.
 #pragma once
 
-#include <mutex>
 #include <type_traits>
 
 #include "cute/tensor.hpp"
@@ -17,6 +16,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "xla_ffi/kernels/device_info.h"
 #include "xla_ffi/kernels/gemm_sm90.h"
 
 namespace jaxflux::gemm_sm90 {
@@ -64,18 +64,6 @@ struct Config {
                                                       Epilogue, SchedulerTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
-
-// SM counts per device, read once (cudaGetDeviceProperties-class queries cost milliseconds).
-inline int SmCount(int device) {
-  static std::mutex mu;
-  static int counts[64] = {};
-  std::lock_guard<std::mutex> lock(mu);
-  if (device < 0 || device >= 64) return 0;
-  if (counts[device] == 0) {
-    cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device);
-  }
-  return counts[device];
-}
 
 template <class C>
 typename C::Gemm::Arguments MakeArguments(const GemmProblem& p) {
