@@ -37,6 +37,11 @@ hidden x seq. ``--print-hlo-collectives`` compiles the train step ahead of time 
 all-gather / reduce-scatter / all-reduce / custom-call counts (with custom-call targets) of
 its optimized HLO.
 
+``--preset llama70b-8l`` sets issue 7's end-to-end model (Llama-70B layer sizes, 8 layers,
+sequence 4096, swiglu, bfloat16; explicit flags override it); ``--out run.json`` writes the loss
+curve, step times, MFU and HLO counts with the command, date, machine and versions
+(``benchmarks/train_modes.sh`` runs the three modes so, ``benchmarks/plot_losses.py`` plots them).
+
 Mesh: all devices (of every process) as ``('dp', 'tp')`` with ``tp = --tp`` (default: every
 device) and ``dp = devices // tp``. dp is an Explicit mesh axis (the batch sharding is part of the
 array types), tp an Auto one (placed by sharding constraints and by jaxflux.Dense). Sharding
@@ -490,9 +495,22 @@ def format_timing(t: dict) -> str:
     return text + (f", MFU {100 * t['mfu']:.1f}%" if t["mfu"] is not None else "")
 
 
+# Named sets of flag defaults (explicit flags still win). "llama70b-8l": issue 7's end-to-end
+# model, Llama-2/3 70B layer sizes (GQA aside: full multi-head attention) cut to 8 layers and a
+# 4096-token sequence so that it trains on 2 GPUs: ~7.8B params, whose float32 values and AdamW
+# moments take ~47 GB per device at tp=2.
+PRESETS = {
+    "llama70b-8l": dict(hidden=8192, heads=64, ffn=28672, layers=8, seq=4096, batch=1,
+                        activation="swiglu", vocab=32768, dtype="bfloat16", lr=3e-4),
+}
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", choices=tuple(PRESETS), default=None,
+                   help="a named set of model/run defaults (explicit flags override them): "
+                        + "; ".join(f"{k}: {v}" for k, v in PRESETS.items()))
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch", type=int, default=8, help="global batch (divisible by dp)")
     p.add_argument("--seq", type=int, default=64, help="sequence length (divisible by tp)")
@@ -533,6 +551,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "(SLURM, Open MPI). examples/launch_multiprocess.py sets this")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="CPU devices of this process (default 8; ignored on GPU)")
+    p.add_argument("--out", default=None,
+                   help="write the result (loss curves, step times, HLO counts) with the "
+                        "command, date, machine and versions as JSON to this path")
+    preset = p.parse_known_args(argv)[0].preset
+    if preset is not None:
+        p.set_defaults(**PRESETS[preset])
     args = p.parse_args(argv)
     if args.hidden % args.heads:
         p.error(f"--hidden {args.hidden} must be divisible by --heads {args.heads}")
@@ -668,7 +692,34 @@ def main(argv: Sequence[str] | None = None) -> dict:
                   f"max |diff| over the curve {np.max(diff):.3e} (relative {rel:.3e}, "
                   f"rtol {rtol:g}): {'MATCH' if match else 'MISMATCH'}")
     result["ok"] = ok
+    if args.out and jax.process_index() == 0:
+        write_record(args.out, argv, result)
+        print(f"wrote {args.out}")
     return result
+
+
+def write_record(path: str, argv: Sequence[str] | None, result: dict) -> None:
+    """The run as one JSON record, in the benchmarks' format (jaxflux/bench/output.py): the
+    command that produced it, date, machine, versions, then the result."""
+    import datetime
+    import pathlib
+    import shlex
+
+    from jaxflux.bench.machine import machine_info, versions
+    from jaxflux.bench.output import write_json
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    record = {
+        "command": "python examples/train_tp_transformer.py " + shlex.join(argv),
+        "argv": argv,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": machine_info(),
+        "versions": versions(),
+        **result,
+    }
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out, record)
 
 
 def check_same_params(params, ref_params) -> None:

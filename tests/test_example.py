@@ -141,3 +141,25 @@ def test_print_hlo_collectives(example, capsys):
     counts = result["hlo_collectives"]
     assert counts["all-gather"] == all_gather and counts["reduce-scatter"] == reduce_scatter
     assert result["ok"]
+
+
+def test_preset_sets_defaults_and_flags_override(example):
+  args = example.parse_args(["--preset", "llama70b-8l", "--layers", "2"])
+  assert (args.hidden, args.ffn, args.seq, args.heads) == (8192, 28672, 4096, 64)
+  assert args.activation == "swiglu" and args.dtype == "bfloat16"
+  assert args.layers == 2  # the explicit flag wins over the preset
+  assert example.parse_args([]).hidden == 128  # no preset: the small defaults
+
+
+def test_out_writes_a_json_record(example, tmp_path):
+  import json
+
+  _require_devices(8)
+  path = tmp_path / "run.json"
+  result = example.main(SMALL + ["--tp", "8", "--steps", "3", "--no-compare", "--out", str(path)])
+  record = json.loads(path.read_text())
+  assert record["command"].startswith("python examples/train_tp_transformer.py --steps 10")
+  assert record["command"].endswith(f"--out {path}")
+  assert record["machine"]["device_count"] == 8 and "jax" in record["versions"]
+  assert record["losses"] == pytest.approx(result["losses"], rel=1e-6)
+  assert len(record["step_ms"]) == 3

@@ -1,0 +1,34 @@
+"""benchmarks/plot_losses.py: the loss-curve plot and the stated difference between runs."""
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "plot_losses.py"
+
+
+def _module():
+  spec = importlib.util.spec_from_file_location("plot_losses", SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_states_the_largest_relative_difference_and_writes_a_png(tmp_path, capsys):
+  pytest.importorskip("matplotlib")
+  runs = []
+  for mode, losses in (("jaxflux", [4.0, 3.0, 2.2]), ("xla", [4.0, 3.0, 2.0])):
+    path = tmp_path / f"{mode}.json"
+    path.write_text(json.dumps({"mode": mode, "losses": losses}))
+    runs.append(str(path))
+  png = tmp_path / "losses.png"
+  _module().main(runs + ["--png", str(png)])
+  assert "jaxflux vs xla: max |relative difference| over 3 steps 1.000e-01" in capsys.readouterr().out
+  assert png.stat().st_size > 1000
+
+
+def test_max_rel_diff_compares_the_common_prefix():
+  np = pytest.importorskip("numpy")
+  m = _module()
+  assert m.max_rel_diff(np.array([1.0, 2.0, 9.0]), np.array([1.0, 2.5])) == pytest.approx(0.2)
