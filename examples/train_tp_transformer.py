@@ -40,7 +40,9 @@ its optimized HLO.
 ``--preset llama70b-8l`` sets issue 7's end-to-end model (Llama-70B layer sizes, 8 layers,
 sequence 4096, swiglu, bfloat16; explicit flags override it); ``--out run.json`` writes the loss
 curve, step times, MFU and HLO counts with the command, date, machine and versions
-(``benchmarks/train_modes.sh`` runs the three modes so, ``benchmarks/plot_losses.py`` plots them).
+(``benchmarks/train_modes.sh`` runs the three modes so, ``benchmarks/plot_losses.py`` plots them);
+``--profile DIR`` traces the first step after the warm-up with jax.profiler, and
+``benchmarks/profile_summary.py DIR`` says where that step's GPU time went.
 
 Mesh: all devices (of every process) as ``('dp', 'tp')`` with ``tp = --tp`` (default: every
 device) and ``dp = devices // tp``. dp is an Explicit mesh axis (the batch sharding is part of the
@@ -405,14 +407,16 @@ def format_hlo_counts(counts: dict) -> str:
 
 def train(model: nn.Module, params, shardings, tx, batches: Sequence[np.ndarray], mesh,
           label: str, log: Callable[[str], None],
-          hlo_log: Callable[[str], None] | None = None) -> tuple[list[float], list[float], dict]:
+          hlo_log: Callable[[str], None] | None = None,
+          profile: tuple[str, int] | None = None) -> tuple[list[float], list[float], dict]:
     """Trains for len(batches) steps; returns (losses, per-step wall seconds, HLO counts).
 
     A step's time runs from putting its batch on the devices to its loss on the host (reading
     the loss waits for the step), so steps do not overlap; step 0 includes compilation unless
     `hlo_log` is given. With `hlo_log`, the step is compiled ahead of time, its optimized HLO's
     collectives and custom calls are counted and passed to `hlo_log` (and returned; else {}),
-    and training runs that executable.
+    and training runs that executable. With `profile` = (directory, step), that step runs under
+    jax.profiler (benchmarks/profile_summary.py reads the trace).
     """
     token_sharding = NamedSharding(mesh, P("dp", "tp"))
     opt_shardings = optimizer_shardings(tx, params, shardings, mesh)
@@ -433,10 +437,15 @@ def train(model: nn.Module, params, shardings, tx, batches: Sequence[np.ndarray]
     losses, times = [], []
     tokens_per_step = batches[0].shape[0] * (batches[0].shape[1] - 1)
     for i, host_batch in enumerate(batches):
+        tracing = profile is not None and i == profile[1]
+        if tracing:
+            jax.profiler.start_trace(profile[0])
         start = time.perf_counter()
         params, opt_state, loss = step(params, opt_state, *device_batch(host_batch))
         losses.append(float(loss))  # waits for the step
         times.append(time.perf_counter() - start)
+        if tracing:
+            jax.profiler.stop_trace()
         log(f"[{label}] step {i:4d}  loss {losses[-1]:.5f}  {1e3 * times[-1]:9.2f} ms  "
             f"tokens/s {tokens_per_step / times[-1]:,.0f}")
     return losses, times, counts
@@ -551,6 +560,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "(SLURM, Open MPI). examples/launch_multiprocess.py sets this")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="CPU devices of this process (default 8; ignored on GPU)")
+    p.add_argument("--profile", metavar="DIR", default=None,
+                   help="trace the first step after the warm-up with jax.profiler into DIR "
+                        "(per process under jax.distributed); summarize it with "
+                        "benchmarks/profile_summary.py DIR")
     p.add_argument("--out", default=None,
                    help="write the result (loss curves, step times, HLO counts) with the "
                         "command, date, machine and versions as JSON to this path")
@@ -659,8 +672,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
               + (f"; peak {peak:g} TFLOP/s per device" if peak else ""))
         params, shardings = place(params, specs, mesh)
         hlo_log = print if args.print_hlo_collectives else None
+        profile = None
+        if args.profile:
+            where = (os.path.join(args.profile, f"process{jax.process_index()}")
+                     if jax.process_count() > 1 else args.profile)
+            profile = (where, min(args.warmup_steps, args.steps - 1))
         losses, times, counts = train(model, params, shardings, tx, batches, mesh, mode, log,
-                                      hlo_log)
+                                      hlo_log, profile)
         t = timing(times, args.warmup_steps, tokens_per_step, flops, peak, mesh.devices.size)
         result.update({mode: losses, "losses": losses, "step_ms": [1e3 * x for x in times],
                        **t})

@@ -59,3 +59,15 @@ def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-5):
     assert a.shape == e.shape and a.dtype == e.dtype
     a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
     np.testing.assert_allclose(a, e, rtol=rtol, atol=atol * max(1.0, np.abs(e).max()))
+
+
+def load_script(path, name: str):
+  """Imports a script that is not part of the package (examples/, benchmarks/) as a module."""
+  import importlib.util
+  import sys
+
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module  # dataclasses (flax modules) resolve annotations through it
+  spec.loader.exec_module(module)
+  return module

@@ -163,3 +163,15 @@ def test_out_writes_a_json_record(example, tmp_path):
   assert record["machine"]["device_count"] == 8 and "jax" in record["versions"]
   assert record["losses"] == pytest.approx(result["losses"], rel=1e-6)
   assert len(record["step_ms"]) == 3
+
+
+def test_profile_traces_one_step_and_the_summary_reads_it(example, tmp_path):
+  """--profile writes a jax.profiler trace of the first step after the warm-up; the summary
+  script reads the newest one (on CPU it finds no GPU events and says so)."""
+  _require_devices(8)
+  example.main(SMALL + ["--tp", "8", "--steps", "3", "--no-compare", "--profile", str(tmp_path)])
+  assert list(tmp_path.rglob("*.trace.json.gz")), list(tmp_path.rglob("*"))
+  from conftest import load_script
+  summary = load_script(EXAMPLE.parents[1] / "benchmarks" / "profile_summary.py",
+                        "profile_summary")
+  assert summary.main([str(tmp_path)]) == {}

@@ -1,18 +1,16 @@
 """benchmarks/plot_losses.py: the loss-curve plot and the stated difference between runs."""
-import importlib.util
 import json
 import pathlib
 
 import pytest
 
+from conftest import load_script
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "plot_losses.py"
 
 
 def _module():
-  spec = importlib.util.spec_from_file_location("plot_losses", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script(SCRIPT, "plot_losses")
 
 
 def test_states_the_largest_relative_difference_and_writes_a_png(tmp_path, capsys):
