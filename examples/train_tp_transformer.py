@@ -717,27 +717,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 def write_record(path: str, argv: Sequence[str] | None, result: dict) -> None:
-    """The run as one JSON record, in the benchmarks' format (jaxflux/bench/output.py): the
-    command that produced it, date, machine, versions, then the result."""
-    import datetime
+    """The run as one JSON record in the benchmarks' format: the command that produced it, the
+    knobs, date, machine and versions (jaxflux/bench/machine.py), then the result."""
     import pathlib
-    import shlex
 
-    from jaxflux.bench.machine import machine_info, versions
+    from jaxflux.bench.machine import provenance
     from jaxflux.bench.output import write_json
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    record = {
-        "command": "python examples/train_tp_transformer.py " + shlex.join(argv),
-        "argv": argv,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "machine": machine_info(),
-        "versions": versions(),
-        **result,
-    }
     out = pathlib.Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(out, record)
+    write_json(out, {**provenance("python examples/train_tp_transformer.py", argv), **result})
 
 
 def check_same_params(params, ref_params) -> None:

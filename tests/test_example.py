@@ -6,7 +6,6 @@ flax.linen.Dense; both must learn and their loss curves must match. Also checked
 MFU numbers, and the collectives in the compiled train step (--print-hlo-collectives).
 """
 
-import importlib.util
 import math
 import os
 import pathlib
@@ -16,17 +15,14 @@ import sys
 
 import pytest
 
+from conftest import load_script
+
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_tp_transformer.py"
 
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("train_tp_transformer", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    # Registered first: dataclasses (flax modules) resolve string annotations through it.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE, "train_tp_transformer")
 
 
 def _require_devices(n):
@@ -171,7 +167,6 @@ def test_profile_traces_one_step_and_the_summary_reads_it(example, tmp_path):
   _require_devices(8)
   example.main(SMALL + ["--tp", "8", "--steps", "3", "--no-compare", "--profile", str(tmp_path)])
   assert list(tmp_path.rglob("*.trace.json.gz")), list(tmp_path.rglob("*"))
-  from conftest import load_script
   summary = load_script(EXAMPLE.parents[1] / "benchmarks" / "profile_summary.py",
                         "profile_summary")
   assert summary.main([str(tmp_path)]) == {}

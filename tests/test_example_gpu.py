@@ -1,14 +1,14 @@
 """The training example on GPUs with the fused kernels (issue 7): every tensor-parallel matmul of
 the train step, forward and backward, is a jaxflux custom call, and the loss curve matches the
 same model built from flax.linen.Dense. Skipped unless jaxflux.has_cuda() and at least 2 GPUs."""
-import importlib.util
 import pathlib
-import sys
 
 import jax
 import pytest
 
 import jaxflux
+
+from conftest import load_script
 
 pytestmark = pytest.mark.gpu
 
@@ -17,11 +17,7 @@ EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_tp_t
 
 @pytest.fixture(scope="module")
 def example():
-  spec = importlib.util.spec_from_file_location("train_tp_transformer_gpu", EXAMPLE)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # flax dataclasses resolve annotations through it
-  spec.loader.exec_module(module)
-  return module
+  return load_script(EXAMPLE, "train_tp_transformer_gpu")
 
 
 def _gpus() -> int:

@@ -14,13 +14,14 @@ Every run is bounded: a process that fails takes the others down within a grace 
 a run past its timeout is killed (see launch_multiprocess.launch).
 """
 
-import importlib.util
 import os
 import pathlib
 import socket
 import sys
 
 import pytest
+
+from conftest import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multiprocess_worker.py"
@@ -29,10 +30,7 @@ LAUNCHER = ROOT / "examples" / "launch_multiprocess.py"
 
 @pytest.fixture(scope="module")
 def launcher():
-  spec = importlib.util.spec_from_file_location("launch_multiprocess", LAUNCHER)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script(LAUNCHER, "launch_multiprocess")
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,6 @@ import argparse
 import datetime
 import json
 import os
-import shlex
 import sys
 from typing import Any
 
@@ -14,7 +13,7 @@ import jax
 from jaxflux.bench.config import (CHILD_MARKER, DEFAULT_VARIANTS, DEFINITIONS, EXTRA_VARIANTS,
                                   OP_VARIANTS, OPS, WINDOWED_FLAGS, repo_root)
 from jaxflux.bench.inputs import make_mesh
-from jaxflux.bench.machine import machine_info, versions
+from jaxflux.bench.machine import provenance
 from jaxflux.bench.measure import bench_row
 from jaxflux.bench.output import output_path, write_json
 from jaxflux.bench.rows import build_rows, find_shapes_file
@@ -124,14 +123,7 @@ def run(argv: list[str] | None = None, log=print) -> dict:
   rows = build_rows(args, shapes, tp)
   platform = jax.default_backend()
   result: dict[str, Any] = {
-      "command": "python -m jaxflux.bench " + shlex.join(argv),
-      "argv": argv,
-      # Knobs that change what is measured (JAXFLUX_AG_ABLATE, JAXFLUX_AG_MAX_CHUNKS, XLA_FLAGS).
-      "env": {k: v for k, v in sorted(os.environ.items())
-              if k.startswith("JAXFLUX_") or k == "XLA_FLAGS"},
-      "date": stamp.isoformat().replace("+00:00", "Z"),
-      "machine": machine_info(),
-      "versions": versions(),
+      **provenance("python -m jaxflux.bench", argv, stamp),
       "settings": {
           "op": args.op, "tp": tp, "dtype": args.dtype, "iters": args.iters,
           "warmup": args.warmup, "repeats": args.repeats, "timing": args.timing,

@@ -1,7 +1,10 @@
 """What ran the benchmark: platform, devices, driver, package versions, git revision."""
 from __future__ import annotations
 
+import datetime
 import importlib.metadata
+import os
+import shlex
 import subprocess
 import sys
 from typing import Any
@@ -84,3 +87,18 @@ def versions() -> dict:
   except (OSError, subprocess.SubprocessError):
     pass
   return v
+
+
+def provenance(program: str, argv: list, stamp: datetime.datetime | None = None) -> dict:
+  """The head of every result record: the command that produced it (`program` + argv), the
+  knobs that change what is measured (JAXFLUX_* and XLA_FLAGS), UTC date, machine, versions."""
+  stamp = stamp or datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+  return {
+      "command": f"{program} {shlex.join(argv)}",
+      "argv": list(argv),
+      "env": {k: v for k, v in sorted(os.environ.items())
+              if k.startswith("JAXFLUX_") or k == "XLA_FLAGS"},
+      "date": stamp.isoformat().replace("+00:00", "Z"),
+      "machine": machine_info(),
+      "versions": versions(),
+  }

@@ -56,6 +56,28 @@ def rank_info(axis_name: str) -> tuple[jax.Array, int]:
   return info, num_groups
 
 
+def slot_bytes(nbytes: int) -> int:
+  """A workspace slot holding `nbytes`: 256-byte aligned, since peers write into it."""
+  return -(-nbytes // 256) * 256
+
+
+def call_group_op(op: str, out_types, operands: tuple, axis_name: str, workspace_bytes: int,
+                  **attrs):
+  """Calls the communicating FFI target of `op` (xla_ffi/ffi/) for this device's group on
+  `axis_name`: makes the workspace hold `workspace_bytes` (at trace time), appends the rank
+  operand to `operands`, and passes the attributes every such handler takes (tp, num_groups,
+  site, generation) plus `attrs` (int64)."""
+  info, num_groups = rank_info(axis_name)
+  generation = _runtime.ensure_workspace(workspace_bytes)
+  call = jax.ffi.ffi_call(_runtime.target_name(op), out_types)
+  return call(*operands, info,
+              tp=np.int64(lax.axis_size(axis_name)),
+              num_groups=np.int64(num_groups),
+              site=np.int64(_runtime.new_site_id()),
+              generation=np.int64(generation),
+              **{name: np.int64(value) for name, value in attrs.items()})
+
+
 def expected_rank_info(mesh: jax.sharding.Mesh, axis_name: str) -> dict[int, tuple[int, int]]:
   """Host-side reference of `rank_info` for a concrete mesh: device id -> (rank, group)."""
   names = list(mesh.axis_names)
@@ -94,17 +116,9 @@ def all_gather(x, axis_name: str, *, impl: str = "fused", _debug_skip_signal_ran
   if reason is not None:
     raise _common.FusedKernelUnavailableError(f"all_gather(impl='fused'): {reason} Use "
                                               "impl='xla'.")
-  info, num_groups = rank_info(axis_name)
   shard_bytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-  # Receive slots [epoch parity][source rank], 256-byte aligned (peers push into them).
-  generation = _runtime.ensure_workspace(2 * tp * (-(-shard_bytes // 256) * 256))
   out_shape = x.shape[:-2] + (tp * x.shape[-2], x.shape[-1])
-  call = jax.ffi.ffi_call(_runtime.target_name("all_gather"),
-                          jax.ShapeDtypeStruct(out_shape, x.dtype))
-  return call(x, info,
-              tp=np.int64(tp),
-              num_groups=np.int64(num_groups),
-              site=np.int64(_runtime.new_site_id()),
-              generation=np.int64(generation),
-              debug_skip_rank=np.int64(_debug_skip_signal_rank),
-              mark_landed=np.int64(0))
+  # Receive slots [epoch parity][source rank] (peers push into them).
+  return call_group_op("all_gather", jax.ShapeDtypeStruct(out_shape, x.dtype), (x,), axis_name,
+                       2 * tp * slot_bytes(shard_bytes),
+                       debug_skip_rank=_debug_skip_signal_rank, mark_landed=0)

@@ -18,10 +18,8 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from jaxflux import _runtime
 from jaxflux.ops import _common
 
 
@@ -116,22 +114,16 @@ def _fused(x, w, axis_name, want_gathered, debug_skip_rank=-1, config=None):
   if tp == 1:  # nothing to gather
     y = gemm_module.gemm(x, w)
     return y, (x if want_gathered else None)
-  info, num_groups = all_gather_module.rank_info(axis_name)
   shard_bytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-  # The gathered A: two parities of tp shards each, every parity half 256-byte aligned.
-  generation = _runtime.ensure_workspace(2 * (-(-tp * shard_bytes // 256) * 256))
   m, k = x.shape[-2:]
   out_types = [jax.ShapeDtypeStruct(x.shape[:-2] + (tp * m, w.shape[1]), x.dtype)]
   if want_gathered:
     out_types.append(jax.ShapeDtypeStruct(x.shape[:-2] + (tp * m, k), x.dtype))
-  call = jax.ffi.ffi_call(_runtime.target_name("all_gather_matmul"), out_types)
-  outs = call(x, w, info,
-              tp=np.int64(tp),
-              num_groups=np.int64(num_groups),
-              site=np.int64(_runtime.new_site_id()),
-              generation=np.int64(generation),
-              debug_skip_rank=np.int64(debug_skip_rank),
-              config=np.int64(gemm_module.config_index("all_gather_matmul", config)))
+  # The gathered A: two parities of tp shards each, every parity half slot-aligned.
+  outs = all_gather_module.call_group_op(
+      "all_gather_matmul", out_types, (x, w), axis_name,
+      2 * all_gather_module.slot_bytes(tp * shard_bytes), debug_skip_rank=debug_skip_rank,
+      config=gemm_module.config_index("all_gather_matmul", config))
   # Typed like the XLA path's results: varying along the gathered axis and wherever x, w vary.
   axes = _common.vma(x) | _common.vma(w) | {axis_name}
   outs = [_common.mark_varying(o, axes) for o in outs]

@@ -17,10 +17,8 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from jaxflux import _runtime
 from jaxflux.ops import _common
 from jaxflux.ops.all_gather_matmul import all_gather_matmul
 
@@ -115,21 +113,14 @@ def _fused(x, w, axis_name, debug_skip_rank=-1):
   tp = lax.axis_size(axis_name)
   if tp == 1:  # nothing to reduce
     return gemm_module.gemm(x, w)
-  info, num_groups = all_gather_module.rank_info(axis_name)
   m = x.shape[-2] // tp
   n = w.shape[1]
   partial_bytes = math.prod(x.shape[:-2]) * m * n * jnp.dtype(x.dtype).itemsize
-  slot = -(-partial_bytes // 256) * 256
   # Two parities of [tp receive slots, tp staging slots].
-  generation = _runtime.ensure_workspace(2 * 2 * tp * slot)
-  out_type = jax.ShapeDtypeStruct(x.shape[:-2] + (m, n), x.dtype)
-  call = jax.ffi.ffi_call(_runtime.target_name("matmul_reduce_scatter"), out_type)
-  z = call(x, w, info,
-           tp=np.int64(tp),
-           num_groups=np.int64(num_groups),
-           site=np.int64(_runtime.new_site_id()),
-           generation=np.int64(generation),
-           debug_skip_rank=np.int64(debug_skip_rank))
+  z = all_gather_module.call_group_op(
+      "matmul_reduce_scatter", jax.ShapeDtypeStruct(x.shape[:-2] + (m, n), x.dtype), (x, w),
+      axis_name, 2 * 2 * tp * all_gather_module.slot_bytes(partial_bytes),
+      debug_skip_rank=debug_skip_rank)
   # Typed like the XLA path's result: varying along the scattered axis and wherever x, w vary.
   return _common.mark_varying(z, _common.vma(x) | _common.vma(w) | {axis_name})
 

@@ -21,6 +21,7 @@
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi/errors.h"
 #include "xla_ffi/ffi/group.h"
 #include "xla_ffi/kernels/signal_kernels.h"
 #include "xla_ffi/runtime/runtime.h"
@@ -32,20 +33,9 @@ namespace jaxflux {
 
 namespace {
 
+constexpr char kOp[] = "all_gather";
 
-ffi::Error CudaError(const std::string& call, cudaError_t err) {
-  return ffi::Error::Internal("jaxflux all_gather: " + call + " failed: " +
-                              cudaGetErrorString(err));
-}
-
-#define JAXFLUX_CUDA(call)                                    \
-  do {                                                        \
-    cudaError_t jaxflux_err_ = (call);                        \
-    if (jaxflux_err_ != cudaSuccess) {                        \
-      (void)cudaGetLastError();                               \
-      return CudaError(#call, jaxflux_err_);                  \
-    }                                                         \
-  } while (0)
+#define JAXFLUX_CUDA(call) JAXFLUX_RETURN_IF_CUDA_ERROR(kOp, call)
 
 // A piece of the shard: rows [row0, row0+rows) of `row_bytes` each, bytes [col0, col0+cols).
 struct Chunk {
