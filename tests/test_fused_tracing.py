@@ -89,6 +89,15 @@ def test_gemm_rejects_unknown_tile_order():
     jax.eval_shape(lambda a, b: gemm(a, b, tile_order="rows"), x, w)
 
 
+@pytest.mark.parametrize("owners", [0, 3])
+def test_gemm_per_owner_mode_needs_owners_dividing_m(fake_gpu, owners):
+  x = jax.ShapeDtypeStruct((8, 16), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((16, 8), jnp.bfloat16)
+  with pytest.raises(ValueError, match=rf"owners={owners} must be >= 1 and divide M=8"):
+    jax.eval_shape(lambda a, b: gemm(a, b, tile_order="matmul_reduce_scatter", owners=owners),
+                   x, w)
+
+
 def test_unknown_tile_config_is_rejected(fake_gpu):
   x = jnp.ones((8, 64), jnp.bfloat16)
   w = jnp.ones((64, 32), jnp.bfloat16)

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxflux
 from jaxflux import _hlo, _runtime
+from jaxflux.ops.gemm import gemm
 from gpu_util import TOL, bench_shapes, gpu_mesh, operands, reference, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -64,6 +65,19 @@ def test_odd_shapes_and_batch_dims(dtype, rows_per_rank, K, N, batch):
   got = _rs_fn(mesh, x.ndim)(x, w)
   assert got.shape == batch + (tp * rows_per_rank, N) and got.dtype == dtype
   assert rel_err(got, reference(x, w)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("M,K,N,batch,owners", [
+    (400, 264, 136, (), 2),       # owner blocks not multiples of the 128-row tile
+    (4096, 1024, 2048, (), 2),
+    (24, 96, 40, (2, 3), 4),      # batch dims: owner blocks are strided
+])
+def test_gemm_only_mode_matches_float32_reference(M, K, N, batch, owners):
+  gpu_mesh()
+  x, w = operands(M + owners, batch + (M, K), (K, N), jnp.bfloat16)
+  got = jax.jit(lambda x, w: gemm(x, w, tile_order="matmul_reduce_scatter", owners=owners))(x, w)
+  assert got.shape == batch + (M, N)
+  assert rel_err(got, reference(x, w)) <= TOL[jnp.bfloat16]
 
 
 def test_back_to_back_calls_with_fresh_data_and_no_host_sync():

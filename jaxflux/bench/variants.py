@@ -66,7 +66,8 @@ def make_variant(name: str, row: Row) -> Variant:
     if op == "ag_gemm":
       return Variant(name, functools.partial(gemm_module.gemm, tile_order="all_gather_matmul"),
                      ("x_full", "w"))
-    return Variant(name, gemm_module.gemm, ("x", "w"))
+    return Variant(name, functools.partial(gemm_module.gemm, tile_order="matmul_reduce_scatter",
+                                           owners=row.tp), ("x", "w"))
   if name == "comm":
     if op == "ag_gemm":
       return Variant(name, lambda x: lax.all_gather(x, AXIS, axis=0, tiled=True), ("x",))

@@ -14,7 +14,7 @@ from jaxflux import _runtime
 from jaxflux.ops import _common
 
 
-TILE_ORDERS = {"cutlass": 0, "all_gather_matmul": 1}
+TILE_ORDERS = {"cutlass": 0, "all_gather_matmul": 1, "matmul_reduce_scatter": 2}
 
 
 # The fused AllGather+GEMM kernel's tile configs (xla_ffi/kernels/ag_gemm_sm90.h, AgGemmConfig).
@@ -32,13 +32,16 @@ def config_index(op: str, config: str | None) -> int:
   return AG_GEMM_CONFIGS.index(config)
 
 
-def gemm(x, w, *, tile_order: str = "cutlass", config: str | None = None):
+def gemm(x, w, *, tile_order: str = "cutlass", config: str | None = None, owners: int = 1):
   """x [..., M, K] @ w [K, N] -> [..., M, N] in x's dtype (bf16/fp16, fp32 accumulation).
 
-  tile_order: "cutlass" (CUTLASS's persistent scheduler) or "all_gather_matmul" (the fused
-  AllGather+GEMM kernel with its waits off: its GEMM-only mode).
+  tile_order: "cutlass" (CUTLASS's persistent scheduler), "all_gather_matmul" (the fused
+  AllGather+GEMM kernel with its waits off: its GEMM-only mode) or "matmul_reduce_scatter" (the
+  fused GEMM+ReduceScatter's GEMMs without pushes or reduction: one launch per owner's block of
+  M / owners rows of every batch entry; its GEMM-only mode with owners = tp).
   config: with tile_order="all_gather_matmul", one of AG_GEMM_CONFIGS (None: the kernel's
   choice, or JAXFLUX_AG_GEMM_CONFIG).
+  owners: with tile_order="matmul_reduce_scatter", how many row blocks; must divide M.
   """
   op = "gemm"
   _common.check_operands(op, x, w)
@@ -52,13 +55,17 @@ def gemm(x, w, *, tile_order: str = "cutlass", config: str | None = None):
   if tile_order not in TILE_ORDERS:
     raise ValueError(f"{op}: tile_order={tile_order!r} is not one of {tuple(TILE_ORDERS)}.")
   config_id = config_index(op, config)
+  rows = x.shape[-2]
+  if tile_order == "matmul_reduce_scatter" and (owners < 1 or rows % owners):
+    raise ValueError(f"{op}: owners={owners} must be >= 1 and divide M={rows} (x.shape[-2]).")
   reason = _common.platform_reason()
   if reason is not None:
     raise _common.FusedKernelUnavailableError(f"{op}: {reason}")
   _runtime.register_targets()
   out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), x.dtype)
   call = jax.ffi.ffi_call("jaxflux_gemm", out)
-  return call(x, w, tile_order=np.int64(TILE_ORDERS[tile_order]), config=np.int64(config_id))
+  return call(x, w, tile_order=np.int64(TILE_ORDERS[tile_order]), config=np.int64(config_id),
+              owners=np.int64(owners))
 
 
 __all__ = ["gemm"]

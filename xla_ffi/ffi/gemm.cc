@@ -18,10 +18,14 @@ namespace jaxflux {
 namespace {
 
 // tile_order 0: CUTLASS's persistent scheduler; 1: the fused AllGather+GEMM kernel itself with
-// its flag waits off (same tile order and rasterization), to measure what fusion costs the GEMM.
+// its flag waits off (same tile order and rasterization); 2: the fused GEMM+ReduceScatter's GEMMs
+// with no pushes or reduction: `owners` launches, one per owner's block of M / owners rows of
+// every batch entry, the launches gemm_rs.cc makes (order aside). Modes 1 and 2 measure what fusion costs the GEMM.
+constexpr int64_t kTileOrderCutlass = 0, kTileOrderAllGather = 1, kTileOrderPerOwner = 2;
+
 ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
                        ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d,
-                       int64_t tile_order, int64_t config) {
+                       int64_t tile_order, int64_t config, int64_t owners) {
   const auto dtype = a.element_type();
   if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
     return ffi::Error::InvalidArgument("jaxflux gemm: inputs must be bfloat16 or float16");
@@ -55,10 +59,18 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
     }
     return ffi::Error::Success();
   }
+  if (tile_order < kTileOrderCutlass || tile_order > kTileOrderPerOwner) {
+    return ffi::Error::InvalidArgument("jaxflux gemm: unknown tile_order " +
+                                       std::to_string(tile_order));
+  }
+  const int64_t rows = a_dims[a_dims.size() - 2];  // M of one batch entry
+  if (tile_order == kTileOrderPerOwner && (owners < 1 || rows % owners)) {
+    return ffi::Error::InvalidArgument("jaxflux gemm: owners=" + std::to_string(owners) +
+                                       " must be >= 1 and divide M=" + std::to_string(rows));
+  }
   const GemmDtype which = dtype == ffi::DataType::BF16 ? GemmDtype::kBF16 : GemmDtype::kF16;
-  const GemmProblem problem{a.untyped_data(), b.untyped_data(), d->untyped_data(),
-                            static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-                            device};
+  GemmProblem problem{a.untyped_data(), b.untyped_data(), d->untyped_data(),
+                      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), device};
   AgGemmProblem fused{};  // tile_order 1: one shard (no rotation), waits off
   fused.gemm = problem;
   fused.wait_for_flags = 0;
@@ -70,8 +82,15 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
   fused.wait.tp = 1;
   fused.wait.rows_per_shard = static_cast<int>(m);
   fused.wait.chunk_rows = static_cast<int>(m);
-  const size_t bytes = tile_order == 1 ? AgGemmSm90WorkspaceBytes(which, fused)
-                                       : GemmSm90WorkspaceBytes(which, problem);
+  if (tile_order == kTileOrderPerOwner) {  // one owner's rows of every batch entry
+    problem.m = static_cast<int>(rows / owners);
+    problem.batch = static_cast<int>(m / rows);
+    problem.batch_stride_a = rows * k;
+    problem.batch_stride_d = rows * n;
+  }
+  const size_t bytes = tile_order == kTileOrderAllGather
+                           ? AgGemmSm90WorkspaceBytes(which, fused)
+                           : GemmSm90WorkspaceBytes(which, problem);
   void* workspace = nullptr;
   if (bytes > 0) {
     auto allocation = scratch.Allocate(bytes, 256);
@@ -81,8 +100,21 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
     }
     workspace = *allocation;
   }
-  const char* failure = tile_order == 1 ? AgGemmSm90(which, fused, workspace, stream)
-                                        : GemmSm90(which, problem, workspace, stream);
+  const char* failure = nullptr;
+  if (tile_order == kTileOrderAllGather) {
+    failure = AgGemmSm90(which, fused, workspace, stream);
+  } else if (tile_order == kTileOrderCutlass) {
+    failure = GemmSm90(which, problem, workspace, stream);
+  } else {
+    const size_t elem = ffi::ByteWidth(dtype);
+    const char* a_base = static_cast<const char*>(a.untyped_data());
+    char* d_base = static_cast<char*>(d->untyped_data());
+    for (int64_t o = 0; o < owners && failure == nullptr; ++o) {
+      problem.a = a_base + static_cast<size_t>(o * problem.m * k) * elem;
+      problem.d = d_base + static_cast<size_t>(o * problem.m * n) * elem;
+      failure = GemmSm90(which, problem, workspace, stream);
+    }
+  }
   if (failure != nullptr) {
     return ffi::Error::Internal(std::string("jaxflux gemm: ") + failure);
   }
@@ -105,5 +137,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::AnyBuffer>()                     // a: [..., M, K]
         .Arg<xla::ffi::AnyBuffer>()                     // b: [K, N]
         .Ret<xla::ffi::AnyBuffer>()                     // d: [..., M, N]
-        .Attr<int64_t>("tile_order")                    // 0 CUTLASS's, 1 AllGather+GEMM's
-        .Attr<int64_t>("config"));                      // tile_order 1: AgGemmConfig or -1
+        .Attr<int64_t>("tile_order")                    // 0 CUTLASS's, 1 AG+GEMM's, 2 owners
+        .Attr<int64_t>("config")                        // tile_order 1: AgGemmConfig or -1
+        .Attr<int64_t>("owners"));                      // tile_order 2: row blocks (tp)
