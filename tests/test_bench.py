@@ -198,3 +198,56 @@ def test_pallas_sweep_logic(shapes_file, tmp_path, monkeypatch):
   assert len(good) == 3 and row["pallas_config"] in good
   assert row["ms"]["pallas"] > 0 and row["rel_err"]["pallas"] < 1e-2
   assert math.isfinite(row["speedup_vs_xla_all"]["pallas"])
+
+
+def test_device_timing_needs_a_gpu(shapes_file, tmp_path):
+  if not ON_CPU:
+    pytest.skip("checks the error off GPU")
+  with pytest.raises(SystemExit, match="--timing device reads the GPUs' clocks"):
+    bench.run(["--op", "ag_gemm", "--shapes-file", str(shapes_file), "--timing", "device",
+               "--variants", "xla", "--out", str(tmp_path)], log=lambda *a, **k: None)
+
+
+def test_device_clock_words_and_elapsed_time():
+  import numpy as np
+  from jaxflux.bench import device_clock
+
+  t0 = np.array([5, (1 << 32) + 7], np.uint64)          # two devices' timers, ns
+  t1 = t0 + np.array([4_000_000, 6_000_000], np.uint64)
+  words = lambda t: np.stack([t & np.uint64(0xFFFFFFFF), t >> np.uint64(32)], 1).astype(np.uint32)
+  np.testing.assert_array_equal(device_clock.DeviceClock.nanoseconds(words(t0)), t0)
+  # The slowest device's 6 ms over 3 calls.
+  assert device_clock.elapsed_ms_per_call(words(t0), words(t1), 3) == pytest.approx(2.0)
+  assert device_clock.spin_ns_for(10) == 20_000_000 + 10 * 300_000
+  assert device_clock.spin_ns_for(10**9) == device_clock.SPIN_MAX_NS
+
+
+def test_device_mode_times_with_the_clock_and_checks_the_queue(monkeypatch):
+  """_Timed's device mode, with a fake clock: the time comes from the clock reads, and a host
+  that queued its calls slower than the idle read lasted is flagged."""
+  import numpy as np
+  from jax.sharding import Mesh
+  from jaxflux.bench import device_clock, timing
+  from jaxflux.bench.variants import Variant
+
+  class FakeClock:
+    def __init__(self):
+      self.now = 0
+
+    def read(self, spin_ns=0):
+      self.now += spin_ns + 1_000_000 * (spin_ns == 0)   # 1 ms between the reads
+      t = np.array([self.now] * 2, np.uint64)
+      return jax.numpy.asarray(np.stack([t, 0 * t], 1).astype(np.uint32))
+
+  mesh = Mesh(np.asarray(jax.devices()[:2]), ("tp",))
+  x = jax.device_put(jax.numpy.ones((2, 4)), jax.sharding.NamedSharding(mesh, jax.P("tp")))
+  timed = timing._Timed(Variant("xla", lambda a: a * 2, ("x",)), mesh, [{"x": x}], 4,
+                        "dispatch", "perturb")
+  timed.run().block_until_ready()  # compiled before the timed run
+  timed.clock = FakeClock()
+  timed.clock.read()  # its first array transfer is slow too
+  assert timed.time_ms() == pytest.approx(0.25)  # 1 ms over 4 calls
+  assert timed.queue_filled is True
+  monkeypatch.setattr(device_clock, "spin_ns_for", lambda calls: 0)  # no time to queue
+  timed.time_ms()
+  assert timed.queue_filled is False

@@ -13,6 +13,7 @@
 #ifdef JAXFLUX_WITH_CUDA
 #include "xla_ffi/ffi/ag_gemm.h"
 #include "xla_ffi/ffi/all_gather.h"
+#include "xla_ffi/ffi/device_clock.h"
 #include "xla_ffi/ffi/gemm.h"
 #include "xla_ffi/ffi/gemm_rs.h"
 #include "xla_ffi/ffi/rank_state_type.h"
@@ -49,6 +50,7 @@ NB_MODULE(_jaxflux, m) {
     registrations["jaxflux_all_gather"] = stateful;
     registrations["jaxflux_all_gather_site_cached"] = Capsule(JaxfluxAllGatherSiteCached);
     registrations["jaxflux_gemm"] = Capsule(JaxfluxGemm);
+    registrations["jaxflux_device_clock"] = Capsule(JaxfluxDeviceClock);
     nb::dict ag_gemm;
     ag_gemm["instantiate"] = Capsule(JaxfluxAllGatherInstantiate);  // the same rank cache
     ag_gemm["execute"] = Capsule(JaxfluxAgGemmExecute);

@@ -63,11 +63,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--variants", type=_csv(str), default=list(DEFAULT_VARIANTS),
                  help=f"comma-separated, any of {DEFAULT_VARIANTS + EXTRA_VARIANTS} "
                       f"(default {','.join(DEFAULT_VARIANTS)})")
-  p.add_argument("--timing", choices=("auto", "loop", "dispatch"), default="auto",
+  p.add_argument("--timing", choices=("auto", "loop", "dispatch", "device"), default="auto",
                  help="loop: calls chained in one jitted fori_loop; dispatch: Python loop of "
                       "async jitted calls, one sync; auto (default): dispatch on GPU (loop mode "
                       "timed collectives impossibly fast there, 1042 GB/s for a 16 MiB "
-                      "all-gather on 2xH200), loop elsewhere (queued CPU collectives deadlock)")
+                      "all-gather on 2xH200), loop elsewhere (queued CPU collectives deadlock); "
+                      "device (GPU): dispatch's calls timed by the GPUs' own clocks, read in "
+                      "stream order around them (jaxflux/bench/device_clock.py)")
   p.add_argument("--chain", choices=("auto", "barrier", "perturb"), default="auto",
                  help="how loop-mode calls are made to depend on each other: barrier "
                       "(free; GPU), perturb (one tiny kernel per call; works everywhere); auto "
@@ -101,6 +103,9 @@ def run(argv: list[str] | None = None, log=print) -> dict:
   args = parse_args(argv)
   if args.timing == "auto":
     args.timing = "dispatch" if jax.default_backend() == "gpu" else "loop"
+  if args.timing == "device" and jax.default_backend() != "gpu":
+    raise SystemExit(f"--timing device reads the GPUs' clocks; this backend is "
+                     f"{jax.default_backend()!r}. Use --timing loop or dispatch.")
   if args._windowed_child:
     return run_child(args)
   shapes_path = None if args.op == "all_gather" and args.sizes_mib else find_shapes_file(

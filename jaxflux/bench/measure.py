@@ -140,6 +140,8 @@ def bench_row(row: Row, mesh: Mesh, variants: list[str], args, log=print) -> dic
         del prepared[name]
         samples.pop(name)
 
+  if args.timing == "device":
+    extra["device_queue_filled"] = {n: p.timed.queue_filled for n, p in prepared.items()}
   record = summarize_row(row, variants, samples, errors, rel_err,
                          {n: p.timed.calls for n, p in prepared.items()},
                          {n: round(p.compile_s, 3) for n, p in prepared.items()}, n_sets)

@@ -77,6 +77,9 @@ class _Timed:
     then blocks once (what DESIGN.md's baseline numbers used); fine for ms-scale ops, but host
     dispatch (tens of µs a call) shows through on small ones. On CPU every call is waited for
     (queued multi-device CPU programs can deadlock in XLA's in-process collectives).
+  mode "device" (GPU): the calls of "dispatch", timed by the GPUs' own clocks read in stream
+    order before and after them (jaxflux/bench/device_clock.py), the first read idling the
+    streams until the host has queued every call.
   """
 
   def __init__(self, variant: Variant, mesh: Mesh, input_sets: list[dict], iters: int, mode: str,
@@ -84,6 +87,8 @@ class _Timed:
     self.variant = variant
     self.mode = mode
     self.sync_each = mode == "dispatch" and not is_gpu()
+    self.clock = None
+    self.queue_filled = None  # device mode: did the host queue every call within the idle time?
     n_sets = len(input_sets)
     self.args = [tuple(s[n] for n in variant.inputs) for s in input_sets]
     out_sharding = None
@@ -118,11 +123,16 @@ class _Timed:
       eps_sharding = NamedSharding(mesh, P())
       self._flat = [jax.device_put(jnp.zeros((), jnp.float32), eps_sharding)]
       self._flat += [a for s in self.args for a in s]
-    elif mode == "dispatch":
+    elif mode in ("dispatch", "device"):
       self.calls = max(1, iters)
       self._program = compile_(variant.fn, layouts)
+      if mode == "device":
+        from jaxflux.bench.device_clock import DeviceClock, spin_ns_for
+        self.clock = DeviceClock(mesh)
+        for spin_ns in (spin_ns_for(self.calls), 0):  # compiled here, not inside a timed run
+          self.clock.read(spin_ns).block_until_ready()
     else:
-      raise ValueError(f"--timing {mode!r}: use 'loop' or 'dispatch'")
+      raise ValueError(f"--timing {mode!r}: use 'loop', 'dispatch' or 'device'")
 
   def run(self) -> jax.Array:
     """Queues one timed run and returns its last output (not waited for)."""
@@ -137,9 +147,26 @@ class _Timed:
 
   def time_ms(self) -> float:
     """Milliseconds per call of one timed run."""
+    if self.clock is not None:
+      return self._device_time_ms()
     t0 = time.perf_counter()
     self.run().block_until_ready()
     return (time.perf_counter() - t0) * 1e3 / self.calls
+
+  def _device_time_ms(self) -> float:
+    from jaxflux.bench.device_clock import elapsed_ms_per_call, spin_ns_for
+
+    spin_ns = spin_ns_for(self.calls)
+    host_start = time.perf_counter()
+    start = self.clock.read(spin_ns)
+    self.run()
+    end = self.clock.read()
+    queued_s = time.perf_counter() - host_start
+    end.block_until_ready()
+    # Were all calls queued before the GPUs left the idle read? If not, the host still showed.
+    filled = queued_s < spin_ns * 1e-9
+    self.queue_filled = filled if self.queue_filled is None else (self.queue_filled and filled)
+    return elapsed_ms_per_call(start, end, self.calls)
 
   def hlo_text(self) -> str:
     if self.mode == "loop":
