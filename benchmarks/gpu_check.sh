@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
-# The one command for GPU sessions: build jaxflux with CUDA, run the GPU tests, the benchmarks and
-# the training example on all local GPUs. From the repository root on the GPU machine:
-#   bash benchmarks/gpu_check.sh [OUTDIR]      (OUTDIR defaults to $OUT, else /tmp/jaxflux_gpu)
+# The one command for GPU sessions: build jaxflux with CUDA, then run the selected stages on all
+# local GPUs. From the repository root on the GPU machine:
+#   STAGES="tests bench" bash benchmarks/gpu_check.sh [OUTDIR]   (OUTDIR: $OUT, else /tmp/jaxflux_gpu)
+# Stages (default: all, in this order; one `device` call is at most 10 minutes, so split them):
+#   tests     every GPU-marked test (~6 min on 2xH200)
+#   clock     --timing device against --timing dispatch on two shapes (~1 min)
+#   allgather the copy-engine all-gather vs lax.all_gather (~2 min)
+#   bench     both fused ops vs XLA at M=2048,8192, GEMM-only columns included (~4 min)
+#   train     the training example: 20 bf16 steps, then the three modes of issue 7 (~6 min?)
 # Needs .whl/ with the CUTLASS wheel (pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0),
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
+STAGES=${STAGES:-tests clock allgather bench train}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLUX_CUDA=ON
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
 status=0
+T0=$(date +%s)
+stage() { [[ " $STAGES " == *" $1 "* ]] && echo "== $1 (at $(( $(date +%s) - T0 )) s)"; }
 
 python3 -m pip install -q --no-deps --no-index .whl/*.whl || exit 1
 if ! python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUTDIR/build.log" 2>&1; then
@@ -18,32 +27,38 @@ fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import jax, jaxflux; print('jax', jax.__version__, 'has_cuda', jaxflux.has_cuda(), jax.devices())"
 
-echo "== GPU tests"
-timeout 400 python3 -m pytest -q -rs -m gpu tests -p no:cacheprovider 2>&1 \
-  | tee "$OUTDIR/gpu_tests.log" | tail -8
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+if stage tests; then
+  timeout 420 python3 -m pytest -q -rs -m gpu tests -p no:cacheprovider --durations=10 \
+    -o faulthandler_timeout=90 > "$OUTDIR/gpu_tests.log" 2>&1 || status=1
+  tail -25 "$OUTDIR/gpu_tests.log"
+fi
 
-echo "== all-gather bandwidth (in-graph loop: no host dispatch in the timing)"
-for chunks in 4 1; do
-  JAXFLUX_AG_MAX_CHUNKS=$chunks timeout 100 python3 -m jaxflux.bench --op all_gather \
-    --sizes-mib 16,64,256 --timing loop --chain perturb \
-    --out "$OUTDIR/all_gather_loop_chunks$chunks.json" 2>&1 | tail -4 || status=1
-done
-echo "== all-gather bandwidth (100 jitted calls queued from Python)"
-timeout 100 python3 -m jaxflux.bench --op all_gather --sizes-mib 16,64,256 --timing dispatch \
-  --out "$OUTDIR/all_gather_dispatch.json" 2>&1 | tail -4 || status=1
+if stage clock; then
+  for timing in device dispatch; do
+    timeout 100 python3 -m jaxflux.bench --op ag_gemm --shapes llama70b-qkv,llama70b-fc1 \
+      --M 1024,8192 --variants gemm,xla,jaxflux,auto --timing $timing --iters 30 --repeats 3 \
+      --warmup 3 --out "$OUTDIR/ag_gemm_timing_$timing.json" 2>&1 | grep -A6 "^name" || status=1
+  done
+fi
 
-echo "== fused AllGather+GEMM vs XLA (every ag_gemm shape at M=2048,8192)"
-timeout 240 python3 -m jaxflux.bench --op ag_gemm --M 2048,8192 \
-  --variants gemm,gemm_only,comm,xla,jaxflux,auto --timing dispatch --iters 50 --repeats 3 \
-  --warmup 5 --out "$OUTDIR/ag_gemm_fused.json" 2>&1 | grep -A12 "^name" || status=1
+if stage allgather; then
+  timeout 100 python3 -m jaxflux.bench --op all_gather --sizes-mib 16,64,256 --timing dispatch \
+    --out "$OUTDIR/all_gather_dispatch.json" 2>&1 | tail -4 || status=1
+fi
 
-echo "== fused GEMM+ReduceScatter vs XLA (every gemm_rs shape at M=2048,8192)"
-timeout 200 python3 -m jaxflux.bench --op gemm_rs --M 2048,8192 \
-  --variants gemm,comm,xla,jaxflux,auto --timing dispatch --iters 30 --repeats 3 --warmup 3 \
-  --out "$OUTDIR/gemm_rs_fused.json" 2>&1 | grep -A12 "^name" || status=1
+if stage bench; then
+  timeout 150 python3 -m jaxflux.bench --op ag_gemm --M 2048,8192 \
+    --variants gemm,gemm_only,comm,xla,jaxflux,auto --timing dispatch --iters 30 --repeats 3 \
+    --warmup 3 --out "$OUTDIR/ag_gemm_fused.json" 2>&1 | grep -A12 "^name" || status=1
+  timeout 150 python3 -m jaxflux.bench --op gemm_rs --M 2048,8192 \
+    --variants gemm,gemm_only,comm,xla,jaxflux,auto --timing dispatch --iters 30 --repeats 3 \
+    --warmup 3 --out "$OUTDIR/gemm_rs_fused.json" 2>&1 | grep -A12 "^name" || status=1
+fi
 
-echo "== training example on all GPUs (bf16)"
-timeout 120 python3 examples/train_tp_transformer.py --dtype bfloat16 --steps 20 2>&1 \
-  | tee "$OUTDIR/example.log" | tail -4 || status=1
+if stage train; then
+  timeout 120 python3 examples/train_tp_transformer.py --dtype bfloat16 --steps 20 2>&1 \
+    | tee "$OUTDIR/example.log" | tail -4 || status=1
+  MODE_TIMEOUT_S=120 bash benchmarks/train_modes.sh "$OUTDIR" 30 || status=1
+fi
+echo "end at $(( $(date +%s) - T0 )) s, status $status"
 exit $status
