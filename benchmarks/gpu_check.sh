@@ -4,7 +4,7 @@
 #   STAGES="tests bench" bash benchmarks/gpu_check.sh [OUTDIR]   (OUTDIR: $OUT, else /tmp/jaxflux_gpu)
 # Stages (default: all, in this order; one `device` call is at most 10 minutes, so split them):
 #   tests     every GPU-marked test (~6 min on 2xH200)
-#   clock     --timing device against --timing dispatch on two shapes (~1 min)
+#   clock     --timing device against --timing dispatch: two ag_gemm shapes, the all-gather (~2 min)
 #   allgather the copy-engine all-gather vs lax.all_gather (~2 min)
 #   bench     both fused ops vs XLA at M=2048,8192, GEMM-only columns included (~4 min)
 #   train     the training example: 20 bf16 steps, then the three modes of issue 7 (~6 min?)
@@ -38,6 +38,9 @@ if stage clock; then
     timeout 100 python3 -m jaxflux.bench --op ag_gemm --shapes llama70b-qkv,llama70b-fc1 \
       --M 1024,8192 --variants gemm,xla,jaxflux,auto --timing $timing --iters 30 --repeats 3 \
       --warmup 3 --out "$OUTDIR/ag_gemm_timing_$timing.json" 2>&1 | grep -A6 "^name" || status=1
+    # Issue 3's all-gather: is its 0.12-0.15 ms per-call floor the host's or the GPU's?
+    timeout 60 python3 -m jaxflux.bench --op all_gather --sizes-mib 4,16,64,256 \
+      --timing $timing --out "$OUTDIR/all_gather_timing_$timing.json" 2>&1 | tail -6 || status=1
   done
 fi
 
