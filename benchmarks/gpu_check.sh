@@ -7,7 +7,8 @@
 #   clock     --timing device against --timing dispatch: two ag_gemm shapes, the all-gather (~2 min)
 #   allgather the copy-engine all-gather vs lax.all_gather (~2 min)
 #   bench     both fused ops vs XLA at M=2048,8192, GEMM-only columns included (~4 min)
-#   train     the training example: 20 bf16 steps, then the three modes of issue 7 (~6 min?)
+#   train     the training example: 20 bf16 steps, the three modes of issue 7, a profiled step
+#             (~7 min?)
 # Needs .whl/ with the CUTLASS wheel (pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0),
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
@@ -62,6 +63,11 @@ if stage train; then
   timeout 120 python3 examples/train_tp_transformer.py --dtype bfloat16 --steps 20 2>&1 \
     | tee "$OUTDIR/example.log" | tail -4 || status=1
   MODE_TIMEOUT_S=120 bash benchmarks/train_modes.sh "$OUTDIR" 30 || status=1
+  # Where one fused step's GPU time goes.
+  timeout 150 python3 examples/train_tp_transformer.py --preset llama70b-8l --steps 4 \
+    --no-compare --quiet --profile "$OUTDIR/profile" > /dev/null 2>&1 || status=1
+  python3 benchmarks/profile_summary.py "$OUTDIR/profile" --top 12 \
+    --out "$OUTDIR/profile_summary.json" || status=1
 fi
 echo "end at $(( $(date +%s) - T0 )) s, status $status"
 exit $status
