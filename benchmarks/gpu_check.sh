@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one command for GPU sessions: build jaxflux with CUDA, then run the selected stages on all
 # local GPUs. From the repository root on the GPU machine:
-#   STAGES="tests bench" bash benchmarks/gpu_check.sh [OUTDIR]   (OUTDIR: $OUT, else /tmp/jaxflux_gpu)
+#   STAGES="tests bench" bash benchmarks/gpu_check.sh [OUTDIR]
+# (OUTDIR: $OUT, else /tmp/jaxflux_gpu)
 # Stages (default: all, in this order; one `device` call is at most 10 minutes, so split them):
 #   tests     every GPU-marked test (~6 min on 2xH200), or those of the files in $GPU_TESTS
 #   clock     --timing device against --timing dispatch: two ag_gemm shapes, the all-gather (~2 min)
@@ -26,11 +27,12 @@ if ! python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUTDIR/bu
   tail -60 "$OUTDIR/build.log"; exit 1
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -c "import jax, jaxflux; print('jax', jax.__version__, 'has_cuda', jaxflux.has_cuda(), jax.devices())"
+python3 -c "import jax, jaxflux; print(jax.__version__, jaxflux.has_cuda(), jax.devices())"
 
 if stage tests; then
   # GPU_TESTS narrows the files (default: all of tests/), e.g. to split them over two calls.
-  timeout 420 python3 -m pytest -q -rs -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider --durations=10 \
+  timeout 420 python3 -m pytest -q -rs -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider \
+    --durations=10 \
     -o faulthandler_timeout=90 > "$OUTDIR/gpu_tests.log" 2>&1 || status=1
   tail -25 "$OUTDIR/gpu_tests.log"
 fi
