@@ -1,7 +1,8 @@
 """Runs examples/train_tp_transformer.py as N local processes joined by jax.distributed.
 
-One process per GPU when the machine has NVIDIA GPUs (each process sees only its own GPU,
-through CUDA_VISIBLE_DEVICES), else N processes of k CPU devices each, with cross-process CPU
+One process per GPU when the machine has NVIDIA GPUs (each process drives its own GPU, chosen with
+the example's --local-device-ids; every GPU stays visible to every process, which CUDA IPC between
+their workspaces needs), else N processes of k CPU devices each, with cross-process CPU
 collectives through gloo. This is the process model of SLURM / Kubernetes launchers, on one
 machine: process 0 runs the coordinator on 127.0.0.1 and only process 0 prints.
 
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, str(EXAMPLE), *example_args,
                "--distributed", f"{coordinator},{n},{i}"]
         if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[i]
+            cmd += ["--local-device-ids", str(i)]  # the i-th visible GPU
         else:
             env["JAX_PLATFORMS"] = "cpu"
             cmd += ["--cpu-devices", str(args.cpu_devices)]

@@ -558,6 +558,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="join jax.distributed as process ID of NUM, coordinator at COORD "
                         "(host:port, process 0's); bare --distributed auto-detects them "
                         "(SLURM, Open MPI). examples/launch_multiprocess.py sets this")
+    p.add_argument("--local-device-ids", default=None,
+                   help="with --distributed: comma-separated CUDA ordinals this process drives "
+                        "(default: all visible). examples/launch_multiprocess.py gives each "
+                        "process one, keeping every GPU visible for CUDA IPC")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="CPU devices of this process (default 8; ignored on GPU)")
     p.add_argument("--profile", metavar="DIR", default=None,
@@ -601,8 +605,11 @@ def init_process(args: argparse.Namespace) -> None:
                              "127.0.0.1:1234,2,0") from None
         # Explicit values: no cluster auto-detection (a SLURM allocation around a local
         # launch would otherwise override them).
+        local = ([int(i) for i in args.local_device_ids.split(",")]
+                 if args.local_device_ids else None)
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num,
-                                   process_id=pid, cluster_detection_method="deactivate")
+                                   process_id=pid, cluster_detection_method="deactivate",
+                                   local_device_ids=local)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

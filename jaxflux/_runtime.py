@@ -5,10 +5,13 @@ the ops run their pure-JAX reference path.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import itertools
+import json
 import os
+import socket
 import threading
 
 import jax
@@ -44,6 +47,11 @@ def _gpu_devices() -> tuple:
     return tuple(jax.local_devices(backend="gpu"))
   except RuntimeError:
     return ()
+
+
+def local_gpus() -> tuple:
+  """This process's GPUs (under jax.distributed, not the other processes')."""
+  return _gpu_devices()
 
 
 def has_cuda() -> bool:
@@ -136,11 +144,145 @@ def ensure_workspace(nbytes: int) -> int:
   """Makes every local GPU hold >= nbytes of symmetric workspace; returns its generation.
 
   Called at trace time, before the program runs. Growth allocates new arenas and keeps the old
-  ones alive, since programs queued earlier may still use them.
+  ones alive, since programs queued earlier may still use them. With one process per GPU, the
+  new generation's arenas are then exchanged with the host's other processes (CUDA IPC).
   """
   ordinals = sorted(d.local_hardware_id for d in _gpu_devices())
   with _lock:
-    return int(_ext.ensure_workspace(ordinals, int(nbytes), int(_settings.workspace_bytes or 0)))
+    if multi_process():
+      _ensure_host_slots()
+    generation = int(_ext.ensure_workspace(ordinals, int(nbytes),
+                                           int(_settings.workspace_bytes or 0)))
+    if multi_process():
+      _exchange_workspace(generation, ordinals)
+    return generation
+
+
+# --------------------------------------------------------------------------------------------
+# One process per GPU (jax.distributed): host slots and the CUDA IPC workspace exchange, through
+# the key-value store of JAX's coordination service. Every process traces the same program, so
+# every process reaches each exchange; one that does not makes the others fail after timeout_s.
+
+def multi_process() -> bool:
+  return jax.process_count() > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSlots:
+  host: int                  # index of this process's host among the job's hosts
+  slots: dict                # this process's CUDA ordinal -> host slot
+  total: int                 # GPUs on this host, all processes together
+  host_of_process: dict      # process index -> host index
+  first_slot_of_process: dict  # process index -> host slot of its first (lowest-ordinal) GPU
+
+  def slot_word(self, device) -> int:
+    """host << 8 | host slot of any GPU of the job (what jaxflux_device_slot writes on it)."""
+    p = device.process_index
+    # A process's GPUs take its slots in CUDA ordinal order (_ensure_host_slots); with one GPU
+    # per process (the supported layout) the order is moot.
+    order = lambda d: (d.local_hardware_id is None, d.local_hardware_id or 0, d.id)  # noqa: E731
+    peers = sorted((d for d in jax.devices() if d.process_index == p), key=order)
+    return self.host_of_process[p] << 8 | (self.first_slot_of_process[p] +
+                                           [d.id for d in peers].index(device.id))
+
+
+_host_slots: HostSlots | None = None
+_exchanged: set = set()
+
+
+def assign_host_slots(records: dict) -> tuple[dict, dict, dict]:
+  """Host slots from every process's (host identity, local GPU count): returns (process -> host
+  index, process -> its first slot, host index -> GPUs on it). Hosts are numbered by their lowest
+  process index; on a host, processes take consecutive slots in process order."""
+  hosts: list = []
+  for pid in sorted(records):
+    if records[pid][0] not in hosts:
+      hosts.append(records[pid][0])
+  host_of, first, total = {}, {}, {h: 0 for h in range(len(hosts))}
+  for pid in sorted(records):
+    host_of[pid] = hosts.index(records[pid][0])
+    first[pid] = total[host_of[pid]]
+    total[host_of[pid]] += records[pid][1]
+  return host_of, first, total
+
+
+def _host_identity() -> str:
+  boot_id = ""
+  try:  # containers on one machine share the boot id; different machines do not
+    with open("/proc/sys/kernel/random/boot_id") as f:
+      boot_id = f.read().strip()
+  except OSError:
+    pass
+  return f"{socket.gethostname()}/{boot_id}"
+
+
+def _kv():
+  from jax._src import distributed  # the coordination service client jax.distributed started
+  client = distributed.global_state.client
+  if client is None:
+    raise RuntimeError("jaxflux: jax.process_count() > 1 but jax.distributed has no client; "
+                       "call jax.distributed.initialize() before using the fused ops.")
+  return client
+
+
+def _kv_get(client, key: str, what: str) -> str:
+  try:
+    return client.blocking_key_value_get(key, int(_settings.timeout_s * 1000))
+  except Exception as e:  # noqa: BLE001 - the client raises its own error types
+    raise RuntimeError(
+        f"jaxflux: {what} did not arrive within {_settings.timeout_s:g} s (key {key!r}). Every "
+        "process must trace the same jaxflux ops in the same order (SPMD); raise the limit with "
+        f"jaxflux.configure(timeout_s=...) if a peer is merely slow. ({type(e).__name__}: {e})"
+    ) from e
+
+
+def host_slots() -> HostSlots:
+  """This process's host slots, agreed with every other process at the first call."""
+  with _lock:
+    return _ensure_host_slots()
+
+
+def _ensure_host_slots() -> HostSlots:
+  global _host_slots
+  if _host_slots is not None:
+    return _host_slots
+  client, me = _kv(), jax.process_index()
+  ordinals = sorted(d.local_hardware_id for d in _gpu_devices())
+  client.key_value_set(f"jaxflux/hosts/{me}", json.dumps([_host_identity(), len(ordinals)]))
+  records = {pid: tuple(json.loads(_kv_get(client, f"jaxflux/hosts/{pid}",
+                                           f"process {pid}'s host record")))
+             for pid in range(jax.process_count())}
+  host_of_process, first, totals = assign_host_slots(records)
+  host = host_of_process[me]
+  if totals[host] > _ext.max_devices():
+    raise RuntimeError(f"jaxflux: {totals[host]} GPUs on one host; the runtime supports "
+                       f"{_ext.max_devices()}.")
+  slots = {o: first[me] + i for i, o in enumerate(ordinals)}
+  for ordinal, slot in slots.items():
+    _ext.set_slot(ordinal, slot)
+  _ext.set_host_index(host)
+  _host_slots = HostSlots(host, slots, totals[host], host_of_process, first)
+  return _host_slots
+
+
+def _exchange_workspace(generation: int, ordinals: list) -> None:
+  """Publishes this process's arena of `generation` (and flag arrays) and maps every other GPU
+  of the host (CUDA IPC). Once per generation."""
+  if generation in _exchanged:
+    return
+  hs, client = _host_slots, _kv()
+  key = lambda slot: f"jaxflux/ws/{generation}/{hs.host}/{slot}"  # noqa: E731
+  for ordinal in ordinals:
+    client.key_value_set(key(hs.slots[ordinal]), _ext.export_device(generation, ordinal).hex())
+  if not _exchanged:
+    atexit.register(_ext.close_imported_peers)
+  mine = set(hs.slots.values())
+  for slot in range(hs.total):
+    if slot not in mine:
+      handles = _kv_get(client, key(slot), f"the workspace (generation {generation}) of host "
+                                           f"slot {slot}")
+      _ext.import_peer(generation, slot, bytes.fromhex(handles), ordinals[0])
+  _exchanged.add(generation)
 
 
 def check_errors() -> None:

@@ -50,12 +50,13 @@ def child_env(**extra):
   return env
 
 
-def run_group(launcher, commands, tmp_path, timeout):
-  """Runs the commands as one group; returns [(exit status, output)] per process."""
-  logs = [open(tmp_path / f"process{i}.log", "w+") for i in range(len(commands))]
+def run_group(launcher, commands, tmp_path, timeout, env=None, grace=10, name="process"):
+  """Runs the commands as one group (environment `env`, default child_env()); returns
+  [(exit status, output)] per process."""
+  logs = [open(tmp_path / f"{name}{i}.log", "w+") for i in range(len(commands))]
   try:
-    codes = launcher.launch(commands, [child_env()] * len(commands), timeout=timeout,
-                            grace=10, stdouts=logs)
+    codes = launcher.launch(commands, [env or child_env()] * len(commands), timeout=timeout,
+                            grace=grace, stdouts=logs)
     outputs = []
     for log in logs:
       log.seek(0)

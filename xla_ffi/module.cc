@@ -6,6 +6,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "xla_ffi/ffi/ag_gemm.h"
 #include "xla_ffi/ffi/all_gather.h"
 #include "xla_ffi/ffi/device_clock.h"
+#include "xla_ffi/ffi/device_slot.h"
 #include "xla_ffi/ffi/gemm.h"
 #include "xla_ffi/ffi/gemm_rs.h"
 #include "xla_ffi/ffi/rank_state_type.h"
@@ -51,6 +53,7 @@ NB_MODULE(_jaxflux, m) {
     registrations["jaxflux_all_gather_site_cached"] = Capsule(JaxfluxAllGatherSiteCached);
     registrations["jaxflux_gemm"] = Capsule(JaxfluxGemm);
     registrations["jaxflux_device_clock"] = Capsule(JaxfluxDeviceClock);
+    registrations["jaxflux_device_slot"] = Capsule(JaxfluxDeviceSlot);
     nb::dict ag_gemm;
     ag_gemm["instantiate"] = Capsule(JaxfluxAllGatherInstantiate);  // the same rank cache
     ag_gemm["execute"] = Capsule(JaxfluxAgGemmExecute);
@@ -98,5 +101,38 @@ NB_MODULE(_jaxflux, m) {
         },
         "The first error a kernel recorded since the last take (and clears it), or None.");
   m.def("discovery_count", &jaxflux::DiscoveryCount);
+
+  // One process per GPU (jaxflux/_runtime.py drives these at trace time).
+  m.def("set_slot", &jaxflux::SetSlot, nb::arg("ordinal"), nb::arg("slot"),
+        "Host slot of this process's GPU `ordinal` (before its first workspace).");
+  m.def("set_host_index", &jaxflux::SetHostIndex, nb::arg("host"));
+  m.def("max_devices", []() { return jaxflux::kMaxDevices; }, "Host slots the runtime has.");
+  m.def("export_device",
+        [](int64_t generation, int ordinal) {
+          jaxflux::IpcHandles handles;
+          std::string error;
+          if (!jaxflux::ExportDevice(generation, ordinal, &handles, &error)) {
+            throw std::runtime_error(error);
+          }
+          return nb::bytes(reinterpret_cast<const char*>(&handles), sizeof(handles));
+        },
+        nb::arg("generation"), nb::arg("ordinal"),
+        "CUDA IPC handles of GPU `ordinal`'s arena of `generation` and its flag arrays.");
+  m.def("import_peer",
+        [](int64_t generation, int slot, nb::bytes handles, int local_ordinal) {
+          if (handles.size() != sizeof(jaxflux::IpcHandles)) {
+            throw std::runtime_error("jaxflux: import_peer: handles must be " +
+                                     std::to_string(sizeof(jaxflux::IpcHandles)) + " bytes");
+          }
+          jaxflux::IpcHandles h;
+          std::memcpy(&h, handles.c_str(), sizeof(h));
+          std::string error;
+          if (!jaxflux::ImportPeer(generation, slot, h, local_ordinal, &error)) {
+            throw std::runtime_error(error);
+          }
+        },
+        nb::arg("generation"), nb::arg("slot"), nb::arg("handles"), nb::arg("local_ordinal"),
+        "Maps another process's GPU (host slot `slot`) from its export_device bytes.");
+  m.def("close_imported_peers", &jaxflux::CloseImportedPeers);
 #endif
 }

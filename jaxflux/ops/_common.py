@@ -111,10 +111,24 @@ def platform_reason() -> str | None:
             "JAXFLUX_CUDA=OFF); reinstall on a machine with the CUDA toolkit.")
   if not _runtime.has_cuda():
     return "no CUDA GPU is visible to JAX (jax.local_devices(backend='gpu') is empty)."
-  if jax.process_count() > 1:
-    return ("the fused kernels run with one process driving all local GPUs; this process is one "
-            f"of {jax.process_count()} under jax.distributed, and the CUDA IPC workspace for one "
-            "process per GPU is not in this version yet.")
+  if _runtime.multi_process():
+    return multi_process_reason(len(_runtime.local_gpus()), _runtime.host_slots)
+  return None
+
+
+def multi_process_reason(local_gpus: int, host_slots) -> str | None:
+  """Under jax.distributed: why the fused kernels can't run across these processes, or None.
+  `host_slots()` agrees the host slots with the other processes (a key-value exchange), so it
+  is only called once the cheap checks pass."""
+  if local_gpus != 1:
+    return (f"under jax.distributed the fused kernels need one GPU per process; this process "
+            f"drives {local_gpus}. Start one process per GPU (examples/launch_multiprocess.py), "
+            "or one process for all GPUs of a host.")
+  hosts = set(host_slots().host_of_process.values())
+  if len(hosts) > 1:
+    return (f"this jax.distributed job spans {len(hosts)} hosts, and checking at trace time "
+            "that a tp axis stays inside one host is not built yet (the kernels need the tp "
+            "group on one host's NVLink); the XLA path serves multi-host jobs.")
   return None
 
 

@@ -53,6 +53,8 @@ def rank_info(axis_name: str) -> tuple[jax.Array, int]:
     group = group * size + lax.axis_index(name).astype(jnp.int32)
     num_groups *= size
   info = jnp.stack([lax.axis_index(axis_name).astype(jnp.int32), jnp.asarray(group, jnp.int32)])
+  if _runtime.multi_process():
+    info = jnp.concatenate([info, _group_slot_words(axis_name, group, num_groups)])
   return info, num_groups
 
 
@@ -76,6 +78,50 @@ def call_group_op(op: str, out_types, operands: tuple, axis_name: str, workspace
               site=np.int64(_runtime.new_site_id()),
               generation=np.int64(generation),
               **{name: np.int64(value) for name, value in attrs.items()})
+
+
+def _group_slot_words(axis_name: str, group, num_groups: int) -> jax.Array:
+  """[tp] int32: the slot word (host << 8 | host slot) of every rank of this device's group, in
+  rank order. With one process per GPU the handlers learn their peers from it, since no host
+  rendezvous can span processes.
+
+  Under `jax.set_mesh(mesh)` the concrete mesh is known at trace time and the table is a
+  constant. Otherwise (`shard_map(mesh=...)` alone) each device writes its own word
+  (jaxflux_device_slot) and an all-gather over the axis collects them: an XLA collective in the
+  program, which a dead peer leaves hanging (NCCL has no timeout), unlike jaxflux's own waits.
+  """
+  tp = lax.axis_size(axis_name)
+  mesh = _concrete_mesh()
+  if mesh is not None and axis_name in mesh.axis_names:
+    table = slot_word_table(mesh, axis_name, num_groups, _runtime.host_slots().slot_word)
+    return jnp.asarray(table)[group]
+  _runtime.register_targets()
+  call = jax.ffi.ffi_call("jaxflux_device_slot", jax.ShapeDtypeStruct((2,), jnp.int32))
+  word = call()[:1]  # {word, 0}: written as one 64-bit stream memory op
+  axes = {axis_name} | {name for name, _ in _other_manual_axes(axis_name)}
+  words = lax.all_gather(_common.mark_varying(word, axes), axis_name, tiled=True)
+  assert words.shape == (tp,)
+  return words
+
+
+def _concrete_mesh():
+  """The mesh of `jax.set_mesh`, if any (shard_map's own mesh= argument is not visible here)."""
+  try:
+    from jax._src import mesh as mesh_lib
+    mesh = mesh_lib.get_concrete_mesh()
+  except (ImportError, AttributeError):
+    return None
+  return mesh if mesh is not None and getattr(mesh, "devices", np.empty(0)).size else None
+
+
+def slot_word_table(mesh, axis_name: str, num_groups: int, slot_word) -> np.ndarray:
+  """[num_groups, tp] int32: slot_word(device) at [group, rank], with rank and group as
+  `rank_info` computes them (see expected_rank_info)."""
+  table = np.full((num_groups, mesh.shape[axis_name]), -1, np.int32)
+  by_id = {d.id: d for d in mesh.devices.flat}
+  for device_id, (rank, group) in expected_rank_info(mesh, axis_name).items():
+    table[group, rank] = slot_word(by_id[device_id])
+  return table
 
 
 def expected_rank_info(mesh: jax.sharding.Mesh, axis_name: str) -> dict[int, tuple[int, int]]:

@@ -94,8 +94,9 @@ ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32>
   if (y.element_count() != rows * s->n) {
     return ffi::Error::InvalidArgument("jaxflux all_gather_matmul: y must be [..., tp*m, N]");
   }
-  if (rank_info.element_count() != 2) {
-    return ffi::Error::InvalidArgument("jaxflux all_gather_matmul: rank_info must hold 2 int32s");
+  if (const auto n = static_cast<int64_t>(rank_info.element_count()); n != 2 && n != 2 + tp) {
+    return ffi::Error::InvalidArgument("jaxflux all_gather_matmul: rank_info must hold 2 (or "
+                                       "2 + tp) int32s");
   }
   return ffi::Error::Success();
 }
@@ -133,7 +134,7 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   }
   GroupInfo g;
   if (ffi::Error e = ResolveGroup("all_gather_matmul", stream, ordinal, state,
-                                  rank_info.typed_data(), site, tp, num_groups, &g);
+                                  rank_info, site, tp, num_groups, &g);
       e.failure()) {
     return e;
   }
@@ -144,7 +145,7 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   const int rank = g.rank;
   const size_t shard_bytes = x.size_bytes();
   const size_t half = WorkspaceBytes(generation) / 2;
-  char* my_arena = WorkspaceArena(generation, ordinal);
+  char* my_arena = WorkspaceArena(generation, g.slot);
   if (my_arena == nullptr || shard_bytes * static_cast<size_t>(tp) > half || half % 256 != 0) {
     return Fail("workspace generation " + std::to_string(generation) + " has no room for " +
                 std::to_string(tp) + " shards of " + std::to_string(shard_bytes) +
@@ -154,7 +155,7 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   DeviceGuard guard(ordinal);
   JAXFLUX_CUDA(guard.status());
   GroupResources group;
-  if (ffi::Error e = GetGroupResources("all_gather_matmul", generation, ordinal, g, true, &group);
+  if (ffi::Error e = GetGroupResources("all_gather_matmul", generation, g, true, &group);
       e.failure()) {
     return e;
   }
@@ -164,7 +165,7 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   const auto& peer_res = group.ranks;
   std::string failed;
 
-  const uint64_t epoch = NextEpoch(g.channel, ordinal);
+  const uint64_t epoch = NextEpoch(g.channel, g.slot);
   const size_t parity_offset = (epoch & 1) * half;
   const uint64_t base = epoch * kMaxChunks;
   const size_t chunk_rows = ChunkRows(s);
@@ -187,7 +188,7 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
                                  x_base + b * entry_bytes, entry_bytes, cudaMemcpyDeviceToDevice,
                                  stream));
   }
-  if (!WriteFlag(stream, res->ready_flags + flag_index + ordinal, base + num_chunks, &failed)) {
+  if (!WriteFlag(stream, res->ready_flags + flag_index + g.slot, base + num_chunks, &failed)) {
     return Fail(failed);
   }
 
@@ -208,7 +209,7 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
                                      rows * row_bytes, cudaMemcpyDefault, res->side));
       }
       if (skip) continue;
-      uint64_t* flag = peer_res[p]->ready_flags + flag_index + ordinal;
+      uint64_t* flag = peer_res[p]->ready_flags + flag_index + g.slot;
       if (!WriteFlag(res->side, flag, base + c + 1, &failed)) return Fail(failed);
     }
   }

@@ -121,7 +121,7 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
   // Receive slots: arena = [parity][source rank][slot_bytes]; parity halves start at `half`.
   const size_t slot_bytes = (shard_bytes + 255) / 256 * 256;
   const size_t half = WorkspaceBytes(generation) / 2;
-  if (shard_bytes > 0 && (WorkspaceArena(generation, ordinal) == nullptr ||
+  if (shard_bytes > 0 && (WorkspaceArena(generation, g.slot) == nullptr ||
                           slot_bytes * static_cast<size_t>(tp) > half)) {
     return ffi::Error::Internal(
         "jaxflux all_gather: workspace generation " + std::to_string(generation) +
@@ -132,8 +132,7 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
   DeviceGuard guard(ordinal);
   JAXFLUX_CUDA(guard.status());
   GroupResources group;
-  if (ffi::Error e = GetGroupResources("all_gather", generation, ordinal, g, shard_bytes > 0,
-                                       &group);
+  if (ffi::Error e = GetGroupResources("all_gather", generation, g, shard_bytes > 0, &group);
       e.failure()) {
     return e;
   }
@@ -144,7 +143,7 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
 
   std::array<Chunk, kMaxChunks> chunks;
   const int num_chunks = rows == 0 ? 0 : MakeChunks(rows, row_bytes, &chunks);
-  const uint64_t epoch = NextEpoch(g.channel, ordinal);
+  const uint64_t epoch = NextEpoch(g.channel, g.slot);
   const size_t slot_base = (epoch & 1) * half;
   const uint64_t base = epoch * kMaxChunks;  // flag value of chunk c at this epoch: base + c + 1
   const uint64_t timeout_ns = TimeoutNs();
@@ -152,7 +151,7 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
   const size_t out_pitch = row_bytes * tp;
   char* out_base = static_cast<char*>(out->untyped_data());
   const char* x_base = static_cast<const char*>(x.untyped_data());
-  char* my_arena = WorkspaceArena(generation, ordinal);
+  char* my_arena = WorkspaceArena(generation, g.slot);
   // Copy grids: at most two blocks of 512 threads per SM (they never spin).
   const int max_blocks = 2 * std::max(res->sm_count, 1);
 
@@ -175,7 +174,7 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
   for (int p = 0; p < tp; ++p) {
     if (p == rank || skip) continue;
     rel.flags[rel.num_flags++] =
-        peer_res[p]->ready_flags + static_cast<size_t>(g.channel) * kMaxDevices + ordinal;
+        peer_res[p]->ready_flags + static_cast<size_t>(g.channel) * kMaxDevices + g.slot;
   }
   const Ablation& ablate = Ablate();
   for (int c = 0; c < num_chunks; ++c) {
@@ -213,7 +212,7 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
     wc.cols = row_bytes;
     JAXFLUX_CUDA(LaunchWaitCopy(wc, max_blocks, stream));
     if (mark_landed) {
-      JAXFLUX_CUDA(LaunchMark(MarkParams{my_landed + ordinal, base + kMaxChunks}, stream));
+      JAXFLUX_CUDA(LaunchMark(MarkParams{my_landed + g.slot, base + kMaxChunks}, stream));
     }
   }
   const int waits = std::max(num_chunks, 1);
@@ -270,8 +269,9 @@ ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_info,
     return ffi::Error::InvalidArgument("jaxflux all_gather: out must be x's dtype and tp times "
                                        "its size");
   }
-  if (rank_info.element_count() != 2) {
-    return ffi::Error::InvalidArgument("jaxflux all_gather: rank_info must hold 2 int32s");
+  if (const auto n = static_cast<int64_t>(rank_info.element_count()); n != 2 && n != 2 + tp) {
+    return ffi::Error::InvalidArgument("jaxflux all_gather: rank_info must hold 2 (or 2 + tp) "
+                                       "int32s");
   }
   if (tp < 2 || tp > kMaxRanks) {
     return ffi::Error::InvalidArgument("jaxflux all_gather: tp must be in 2.." +
@@ -291,8 +291,8 @@ ffi::Error AllGatherExecute(cudaStream_t stream, int32_t ordinal, RankState* sta
                             int64_t mark_landed) {
   if (ffi::Error e = CheckInputs(x, rank_info, out, tp); e.failure()) return e;
   GroupInfo g;
-  if (ffi::Error e = ResolveGroup("all_gather", stream, ordinal, state, rank_info.typed_data(),
-                                  site, tp, num_groups, &g);
+  if (ffi::Error e =
+          ResolveGroup("all_gather", stream, ordinal, state, rank_info, site, tp, num_groups, &g);
       e.failure()) {
     return e;
   }

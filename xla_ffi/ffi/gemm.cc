@@ -20,7 +20,8 @@ namespace {
 // tile_order 0: CUTLASS's persistent scheduler; 1: the fused AllGather+GEMM kernel itself with
 // its flag waits off (same tile order and rasterization); 2: the fused GEMM+ReduceScatter's GEMMs
 // with no pushes or reduction: `owners` launches, one per owner's block of M / owners rows of
-// every batch entry, the launches gemm_rs.cc makes (order aside). Modes 1 and 2 measure what fusion costs the GEMM.
+// every batch entry, the launches gemm_rs.cc makes (order aside). Modes 1 and 2 measure what
+// fusion costs the GEMM.
 constexpr int64_t kTileOrderCutlass = 0, kTileOrderAllGather = 1, kTileOrderPerOwner = 2;
 
 ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,

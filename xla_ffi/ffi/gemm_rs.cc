@@ -89,7 +89,9 @@ ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32>
     return invalid("a dimension exceeds 2^31-1");
   }
   if (z.element_count() != s->batch * s->m * s->n) return invalid("z must be [..., M/tp, N]");
-  if (rank_info.element_count() != 2) return invalid("rank_info must hold 2 int32s");
+  if (const auto n = static_cast<int64_t>(rank_info.element_count()); n != 2 && n != 2 + tp) {
+    return invalid("rank_info must hold 2 (or 2 + tp) int32s");
+  }
   return ffi::Error::Success();
 }
 
@@ -101,7 +103,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   if (ffi::Error e = CheckInputs(x, w, rank_info, *z, tp, &s); e.failure()) return e;
   GroupInfo g;
   if (ffi::Error e = ResolveGroup("matmul_reduce_scatter", stream, ordinal, state,
-                                  rank_info.typed_data(), site, tp, num_groups, &g);
+                                  rank_info, site, tp, num_groups, &g);
       e.failure()) {
     return e;
   }
@@ -112,7 +114,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   const size_t partial_bytes = s.batch * s.m * s.n * s.elem;  // one owner's rows of x · w
   const size_t slot_bytes = (partial_bytes + 255) / 256 * 256;
   const size_t half = WorkspaceBytes(generation) / 2;
-  char* my_arena = WorkspaceArena(generation, ordinal);
+  char* my_arena = WorkspaceArena(generation, g.slot);
   if (my_arena == nullptr || 2 * slot_bytes * static_cast<size_t>(tp) > half) {
     return Fail("workspace generation " + std::to_string(generation) + " has no room for " +
                 std::to_string(2 * tp) + " slots of " + std::to_string(partial_bytes) +
@@ -122,7 +124,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   DeviceGuard guard(ordinal);
   JAXFLUX_CUDA(guard.status());
   GroupResources group;
-  if (ffi::Error e = GetGroupResources("matmul_reduce_scatter", generation, ordinal, g, true,
+  if (ffi::Error e = GetGroupResources("matmul_reduce_scatter", generation, g, true,
                                        &group);
       e.failure()) {
     return e;
@@ -131,7 +133,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   std::lock_guard<std::mutex> device_lock(res->mu);
   std::string failed;
 
-  const uint64_t epoch = NextEpoch(g.channel, ordinal);
+  const uint64_t epoch = NextEpoch(g.channel, g.slot);
   const size_t parity_offset = (epoch & 1) * half;
   const uint64_t flag_value = epoch * kMaxChunks + 1;  // one chunk: the whole partial
   const size_t flag_index = static_cast<size_t>(g.channel) * kMaxDevices;
@@ -173,7 +175,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
     JAXFLUX_CUDA(cudaMemcpyAsync(recv(p, rank), problem.d, partial_bytes, cudaMemcpyDefault,
                                  res->side));
-    if (!skip && !WriteFlag(res->side, group.ranks[p]->ready_flags + flag_index + ordinal,
+    if (!skip && !WriteFlag(res->side, group.ranks[p]->ready_flags + flag_index + g.slot,
                             flag_value, &failed)) {
       return Fail(failed);
     }

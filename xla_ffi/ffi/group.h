@@ -27,8 +27,10 @@ struct RankState {
 // The group of `ordinal` for this call: from `state` when given (stateful targets), else from
 // the process-wide cache keyed by (site, ordinal). Runs DiscoverGroup (one host sync and a
 // rendezvous with the peers) the first time. `op` names the caller in errors.
+// `rank_info` is the op's rank operand: [rank, group], plus the group's slots in rank order with
+// one process per GPU.
 xla::ffi::Error ResolveGroup(const char* op, cudaStream_t stream, int ordinal, RankState* state,
-                             const int32_t* rank_info_device, int64_t site, int64_t tp,
+                             xla::ffi::Buffer<xla::ffi::S32> rank_info, int64_t site, int64_t tp,
                              int64_t num_groups, GroupInfo* group);
 
 // What a communicating handler needs of every rank of its group: workspace arenas of one
@@ -39,9 +41,9 @@ struct GroupResources {
   std::array<char*, kMaxRanks> arenas{};            // by rank; checked when need_arenas
 };
 
-// Fills `out` for `ordinal` in group `g`. Call with the device current (DeviceGuard).
-xla::ffi::Error GetGroupResources(const char* op, int64_t generation, int ordinal,
-                                  const GroupInfo& g, bool need_arenas, GroupResources* out);
+// Fills `out` for this device (g.slot) in group `g`. Call with the device current (DeviceGuard).
+xla::ffi::Error GetGroupResources(const char* op, int64_t generation, const GroupInfo& g,
+                                  bool need_arenas, GroupResources* out);
 
 }  // namespace jaxflux
 

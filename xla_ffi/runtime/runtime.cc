@@ -35,11 +35,18 @@ std::atomic<int64_t> g_num_generations{0};
 std::array<size_t, kMaxGenerations> g_generation_bytes{};
 std::array<std::array<char*, kMaxDevices>, kMaxGenerations> g_arenas{};
 
-std::array<DeviceResources, kMaxDevices> g_devices;
+std::array<DeviceResources, kMaxDevices> g_devices;  // by host slot
+
+// Host slots (runtime.h), stored as slot + 1: 0 = the CUDA ordinal itself (one process drives
+// all local GPUs).
+std::array<std::atomic<int>, kMaxDevices> g_slot_plus_one{};
+std::atomic<int> g_host_index{0};
+
+// Mappings opened with cudaIpcOpenMemHandle, closed by CloseImportedPeers.
+std::mutex g_import_mu;
+std::vector<void*> g_imported;
 std::array<std::array<std::atomic<uint64_t>, kMaxDevices>, kMaxChannels> g_epochs{};
 
-std::mutex g_channel_mu;
-std::map<std::vector<int>, int> g_channels;  // sorted ordinals of a group -> channel
 
 DeviceErrorRecord* g_error_host = nullptr;
 DeviceErrorRecord* g_error_device = nullptr;
@@ -188,8 +195,11 @@ std::optional<int64_t> EnsureWorkspace(const std::vector<int>& ordinals, size_t 
   std::lock_guard<std::mutex> lock(g_workspace_mu);
   const int64_t n = g_num_generations.load();
   for (int ordinal : ordinals) {
-    if (ordinal < 0 || ordinal >= kMaxDevices) {
-      *error = "jaxflux: device ordinal " + std::to_string(ordinal) + " out of range";
+    if (ordinal < 0 || ordinal >= kMaxDevices || SlotOfOrdinal(ordinal) < 0 ||
+        SlotOfOrdinal(ordinal) >= kMaxDevices) {
+      *error = "jaxflux: device ordinal " + std::to_string(ordinal) + " (host slot " +
+               std::to_string(SlotOfOrdinal(ordinal)) + ") out of range 0.." +
+               std::to_string(kMaxDevices - 1);
       return std::nullopt;
     }
   }
@@ -204,7 +214,7 @@ std::optional<int64_t> EnsureWorkspace(const std::vector<int>& ordinals, size_t 
   }
   if (n > 0 && g_generation_bytes[n - 1] >= bytes) {
     bool all = true;
-    for (int ordinal : ordinals) all = all && g_arenas[n - 1][ordinal] != nullptr;
+    for (int ordinal : ordinals) all = all && g_arenas[n - 1][SlotOfOrdinal(ordinal)] != nullptr;
     if (all) return n - 1;
   }
   if (n >= kMaxGenerations) {
@@ -231,9 +241,9 @@ std::optional<int64_t> EnsureWorkspace(const std::vector<int>& ordinals, size_t 
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
       for (int o : ordinals) {
-        if (arenas[o] != nullptr) {
+        if (arenas[SlotOfOrdinal(o)] != nullptr) {
           DeviceGuard g(o);
-          cudaFree(arenas[o]);  // never published, so nothing can be using it
+          cudaFree(arenas[SlotOfOrdinal(o)]);  // never published, so nothing can be using it
         }
       }
       size_t free_b = 0, total_b = 0;
@@ -248,10 +258,11 @@ std::optional<int64_t> EnsureWorkspace(const std::vector<int>& ordinals, size_t 
                "of per shape, call jaxflux.configure(workspace_bytes=...) with the largest need.";
       return std::nullopt;
     }
-    arenas[ordinal] = static_cast<char*>(ptr);
+    arenas[SlotOfOrdinal(ordinal)] = static_cast<char*>(ptr);
   }
-  // Devices not in `ordinals` inherit the previous generation's arena (still alive) so that a
-  // generation's table is never sparser than the one before it.
+  // Slots not in `ordinals` inherit the previous generation's arena (still alive) so that a
+  // generation's table is never sparser than the one before it. (Another process's GPUs get
+  // theirs from ImportPeer.)
   for (int d = 0; d < kMaxDevices; ++d) {
     if (arenas[d] == nullptr && n > 0 && g_generation_bytes[n - 1] >= want) {
       arenas[d] = g_arenas[n - 1][d];
@@ -268,16 +279,122 @@ size_t WorkspaceBytes(int64_t generation) {
   return g_generation_bytes[generation];
 }
 
-char* WorkspaceArena(int64_t generation, int ordinal) {
+char* WorkspaceArena(int64_t generation, int slot) {
   if (generation < 0 || generation >= g_num_generations.load(std::memory_order_acquire) ||
-      ordinal < 0 || ordinal >= kMaxDevices) {
+      slot < 0 || slot >= kMaxDevices) {
     return nullptr;
   }
-  return g_arenas[generation][ordinal];
+  return g_arenas[generation][slot];
 }
 
-uint64_t NextEpoch(int channel, int ordinal) {
-  return g_epochs[channel][ordinal].fetch_add(1) + 1;
+uint64_t NextEpoch(int channel, int slot) {
+  return g_epochs[channel][slot].fetch_add(1) + 1;
+}
+
+void SetSlot(int ordinal, int slot) {
+  if (ordinal >= 0 && ordinal < kMaxDevices) g_slot_plus_one[ordinal].store(slot + 1);
+}
+
+int SlotOfOrdinal(int ordinal) {
+  if (ordinal < 0 || ordinal >= kMaxDevices) return -1;
+  const int stored = g_slot_plus_one[ordinal].load();
+  return stored == 0 ? ordinal : stored - 1;
+}
+
+void SetHostIndex(int host) { g_host_index.store(host); }
+int HostIndex() { return g_host_index.load(); }
+
+bool ExportDevice(int64_t generation, int ordinal, IpcHandles* out, std::string* error) {
+  const int slot = SlotOfOrdinal(ordinal);
+  char* arena = WorkspaceArena(generation, slot);
+  if (arena == nullptr || slot < 0 || !g_devices[slot].ready.load()) {
+    *error = "jaxflux: GPU " + std::to_string(ordinal) + " has no workspace in generation " +
+             std::to_string(generation) + " to export";
+    return false;
+  }
+  DeviceGuard guard(ordinal);
+  const std::pair<void*, char*> parts[] = {{arena, out->arena},
+                                           {g_devices[slot].ready_flags, out->ready_flags},
+                                           {g_devices[slot].landed_flags, out->landed_flags}};
+  for (const auto& [ptr, bytes] : parts) {
+    cudaIpcMemHandle_t handle;
+    cudaError_t err = guard.status() != cudaSuccess ? guard.status()
+                                                   : cudaIpcGetMemHandle(&handle, ptr);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      *error = "jaxflux: exporting GPU " + std::to_string(ordinal) + "'s workspace: " +
+               CudaCall("cudaIpcGetMemHandle", err);
+      return false;
+    }
+    static_assert(sizeof(handle) == kIpcHandleBytes, "cudaIpcMemHandle_t size");
+    std::memcpy(bytes, &handle, kIpcHandleBytes);
+  }
+  return true;
+}
+
+namespace {
+
+bool OpenHandle(const char* bytes, int slot, void** ptr, std::string* error) {
+  cudaIpcMemHandle_t handle;
+  std::memcpy(&handle, bytes, kIpcHandleBytes);
+  cudaError_t err = cudaIpcOpenMemHandle(ptr, handle, cudaIpcMemLazyEnablePeerAccess);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    *error = "jaxflux: opening the workspace of host slot " + std::to_string(slot) +
+             " (another process's GPU): " + CudaCall("cudaIpcOpenMemHandle", err) +
+             ". The GPUs of a tp group must be peers on one host (NVLink or PCIe P2P), and "
+             "visible to every process: keep CUDA_VISIBLE_DEVICES the same for all of them and "
+             "give each its GPU with jax.distributed.initialize(local_device_ids=[...]).";
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(g_import_mu);
+  g_imported.push_back(*ptr);
+  return true;
+}
+
+}  // namespace
+
+bool ImportPeer(int64_t generation, int slot, const IpcHandles& handles, int local_ordinal,
+                std::string* error) {
+  std::lock_guard<std::mutex> lock(g_workspace_mu);
+  if (slot < 0 || slot >= kMaxDevices || generation < 0 ||
+      generation >= g_num_generations.load()) {
+    *error = "jaxflux: ImportPeer: slot " + std::to_string(slot) + " or generation " +
+             std::to_string(generation) + " out of range";
+    return false;
+  }
+  DeviceGuard guard(local_ordinal);
+  if (guard.status() != cudaSuccess) {
+    *error = "jaxflux: ImportPeer: " + CudaCall("cudaSetDevice", guard.status());
+    return false;
+  }
+  DeviceResources& r = g_devices[slot];
+  if (!r.ready.load()) {  // the flag arrays live for the process: opened once
+    void* ready = nullptr;
+    void* landed = nullptr;
+    if (!OpenHandle(handles.ready_flags, slot, &ready, error) ||
+        !OpenHandle(handles.landed_flags, slot, &landed, error)) {
+      return false;
+    }
+    r.ready_flags = static_cast<uint64_t*>(ready);
+    r.landed_flags = static_cast<uint64_t*>(landed);
+    r.remote = true;
+    r.ready.store(true, std::memory_order_release);
+  }
+  if (g_arenas[generation][slot] == nullptr) {
+    void* arena = nullptr;
+    if (!OpenHandle(handles.arena, slot, &arena, error)) return false;
+    g_arenas[generation][slot] = static_cast<char*>(arena);
+  }
+  return true;
+}
+
+void CloseImportedPeers() {
+  std::lock_guard<std::mutex> lock(g_import_mu);
+  for (void* ptr : g_imported) {
+    if (cudaIpcCloseMemHandle(ptr) != cudaSuccess) (void)cudaGetLastError();
+  }
+  g_imported.clear();
 }
 
 namespace {
@@ -285,7 +402,7 @@ namespace {
 // Creates the side stream, events and flag arrays of `ordinal` (Python thread, under the
 // workspace lock, before any program that needs them runs).
 cudaError_t InitDeviceResources(int ordinal, std::string* failed_call) {
-  DeviceResources& r = g_devices[ordinal];
+  DeviceResources& r = g_devices[SlotOfOrdinal(ordinal)];
   if (r.ready.load(std::memory_order_acquire)) return cudaSuccess;
   DeviceGuard guard(ordinal);
   cudaError_t err = guard.status();
@@ -317,13 +434,13 @@ cudaError_t InitDeviceResources(int ordinal, std::string* failed_call) {
 
 }  // namespace
 
-cudaError_t GetDeviceResources(int ordinal, DeviceResources** out, std::string* failed_call) {
-  if (ordinal < 0 || ordinal >= kMaxDevices || !g_devices[ordinal].ready.load()) {
-    *failed_call = "jaxflux: no runtime resources on GPU " + std::to_string(ordinal) +
+cudaError_t GetDeviceResources(int slot, DeviceResources** out, std::string* failed_call) {
+  if (slot < 0 || slot >= kMaxDevices || !g_devices[slot].ready.load()) {
+    *failed_call = "jaxflux: no runtime resources for host slot " + std::to_string(slot) +
                    " (the op must be traced through jaxflux, which sets them up)";
     return cudaErrorInvalidDevice;
   }
-  *out = &g_devices[ordinal];
+  *out = &g_devices[slot];
   return cudaSuccess;
 }
 
@@ -345,17 +462,79 @@ std::map<std::pair<int64_t, int>, int64_t> g_rounds;  // (site, ordinal) -> next
 
 }  // namespace
 
+namespace {
+
+// The group's channel: the bitmask of its slots. A set, not the rank order, so that programs that
+// rank the same devices differently (permuted meshes) share one epoch sequence and one set of
+// flags (indexed by source slot), which keeps the receive-slot argument of docs/runtime.md
+// valid across them; and a pure function of the set, so that every process of a group (one
+// process per GPU) numbers it alike with no agreement.
+bool ChannelOf(const std::array<int, kMaxRanks>& peers, int64_t tp, int* channel,
+               std::string* error) {
+  int mask = 0;
+  for (int r = 0; r < tp; ++r) {
+    if (peers[r] < 0 || peers[r] >= kMaxDevices || (mask >> peers[r] & 1)) {
+      *error = "jaxflux: a group names host slot " + std::to_string(peers[r]) +
+               " twice or out of range";
+      return false;
+    }
+    mask |= 1 << peers[r];
+  }
+  *channel = mask;
+  return true;
+}
+
+// One process per GPU: the operand [rank, group, slot word of rank 0, ..., of rank tp-1] names
+// every peer (slot word = host << 8 | slot, gathered in the program), so no rendezvous is needed.
+bool GroupFromSlots(int ordinal, const int32_t* words, int rank, int group, int64_t tp,
+                    GroupInfo* info, std::string* error) {
+  const int my_slot = SlotOfOrdinal(ordinal);
+  std::array<int, kMaxRanks> peers;
+  peers.fill(-1);
+  for (int r = 0; r < tp; ++r) {
+    const int host = words[r] >> 8, slot = words[r] & 0xff;
+    if (host != HostIndex()) {
+      *error = "jaxflux: rank " + std::to_string(r) + " of the tp group of GPU " +
+               std::to_string(ordinal) + " is on host " + std::to_string(host) + ", this GPU on "
+               "host " + std::to_string(HostIndex()) + ": the fused ops need the tp axis inside "
+               "one host (put tp on the GPUs of a host and dp across hosts).";
+      return false;
+    }
+    peers[r] = slot;
+  }
+  if (peers[rank] != my_slot) {
+    *error = "jaxflux: GPU " + std::to_string(ordinal) + " is host slot " +
+             std::to_string(my_slot) + " but its group names slot " + std::to_string(peers[rank]) +
+             " at its rank " + std::to_string(rank);
+    return false;
+  }
+  info->rank = rank;
+  info->group = group;
+  info->tp = static_cast<int>(tp);
+  info->slot = my_slot;
+  info->peers = peers;
+  return ChannelOf(peers, tp, &info->channel, error);
+}
+
+}  // namespace
+
 bool DiscoverGroup(cudaStream_t stream, int ordinal, const int32_t* rank_info_device,
-                   int64_t site, int64_t tp, int64_t num_groups, GroupInfo* info,
-                   std::string* error) {
+                   int64_t info_count, int64_t site, int64_t tp, int64_t num_groups,
+                   GroupInfo* info, std::string* error) {
   if (tp < 1 || tp > kMaxRanks) {
     *error = "jaxflux: group size " + std::to_string(tp) + " unsupported (1.." +
              std::to_string(kMaxRanks) + " GPUs of one host)";
     return false;
   }
-  int32_t host[2] = {-1, -1};
-  cudaError_t err = cudaMemcpyAsync(host, rank_info_device, sizeof(host), cudaMemcpyDeviceToHost,
-                                    stream);
+  if (info_count != 2 && info_count != 2 + tp) {
+    *error = "jaxflux: the rank operand holds " + std::to_string(info_count) + " int32s; expected "
+             "2, or 2 + tp with one process per GPU";
+    return false;
+  }
+  int32_t host[2 + kMaxRanks];
+  std::fill(std::begin(host), std::end(host), -1);
+  cudaError_t err = cudaMemcpyAsync(host, rank_info_device, sizeof(int32_t) * info_count,
+                                    cudaMemcpyDeviceToHost, stream);
   if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
   if (err != cudaSuccess) {
     *error = "jaxflux: reading the rank operand: " + CudaCall("cudaMemcpyAsync/Synchronize", err);
@@ -373,6 +552,7 @@ bool DiscoverGroup(cudaStream_t stream, int ordinal, const int32_t* rank_info_de
     return false;
   }
   g_discoveries.fetch_add(1);
+  if (info_count == 2 + tp) return GroupFromSlots(ordinal, host + 2, rank, group, tp, info, error);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(TimeoutNs());
   std::unique_lock<std::mutex> lock(g_rdv_mu);
   const int64_t round = g_rounds[{site, ordinal}]++;
@@ -386,7 +566,7 @@ bool DiscoverGroup(cudaStream_t stream, int ordinal, const int32_t* rank_info_de
     for (const auto& [o, rg] : rdv.members) {
       if (rg.second != group) continue;
       if (peers[rg.first] != -1) return false;  // duplicate rank: resolved below on timeout
-      peers[rg.first] = o;
+      peers[rg.first] = SlotOfOrdinal(o);
       ++found;
     }
     return found == tp;
@@ -401,7 +581,8 @@ bool DiscoverGroup(cudaStream_t stream, int ordinal, const int32_t* rank_info_de
              ", group " + std::to_string(group) + ") found only these local devices of its "
              "call site after " + std::to_string(TimeoutNs() / 1000000) + " ms:" + found +
              ". All " + std::to_string(tp) + " ranks of a group must be GPUs of this process "
-             "(one process per GPU is not supported yet), and XLA must run them concurrently.";
+             "(with one process per GPU the rank operand names the peers instead), and XLA must "
+             "run them concurrently.";
     return false;
   }
   lock.unlock();
@@ -409,28 +590,13 @@ bool DiscoverGroup(cudaStream_t stream, int ordinal, const int32_t* rank_info_de
     std::fprintf(stderr, "[jaxflux] GPU %d site %lld round %lld: group complete\n", ordinal,
                  static_cast<long long>(site), static_cast<long long>(round));
   }
-  // Keyed by the *set* of devices, not their rank order: programs that rank the same devices
-  // differently (permuted meshes) then share one epoch sequence and one set of flags (indexed by
-  // source device), which keeps the receive-slot argument of docs/runtime.md valid across them.
-  std::vector<int> key(peers.begin(), peers.begin() + tp);
-  std::sort(key.begin(), key.end());
   int channel;
-  {
-    std::lock_guard<std::mutex> channel_lock(g_channel_mu);
-    auto it = g_channels.find(key);
-    if (it == g_channels.end()) {
-      if (static_cast<int>(g_channels.size()) >= kMaxChannels) {
-        *error = "jaxflux: too many distinct device groups";
-        return false;
-      }
-      it = g_channels.emplace(key, static_cast<int>(g_channels.size())).first;
-    }
-    channel = it->second;
-  }
+  if (!ChannelOf(peers, tp, &channel, error)) return false;
   info->rank = rank;
   info->group = group;
   info->tp = static_cast<int>(tp);
   info->channel = channel;
+  info->slot = SlotOfOrdinal(ordinal);
   info->peers = peers;
   return true;
 }

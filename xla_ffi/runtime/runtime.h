@@ -13,7 +13,9 @@ namespace jaxflux {
 
 inline constexpr int kMaxDevices = 16;      // local GPUs one process drives
 inline constexpr int kMaxRanks = 8;         // ranks of one group (NVLink domain of one host)
-inline constexpr int kMaxChannels = 1024;   // distinct groups (device sets) ever seen
+// A group's channel is the bitmask of its host slots: the same number in every process of the
+// group without any agreement (flag arrays: 2 x 8 MiB per GPU).
+inline constexpr int kMaxChannels = 1 << kMaxDevices;
 inline constexpr int kMaxGenerations = 64;  // workspace growths over a process lifetime
 
 // Makes every device in `ordinals` hold an arena of at least `bytes` (the call's receive-slot
@@ -24,6 +26,32 @@ std::optional<int64_t> EnsureWorkspace(const std::vector<int>& ordinals, size_t 
 
 // Bytes of arena per device in a generation (0 when it does not exist).
 size_t WorkspaceBytes(int64_t generation);
+
+// Host slots. The runtime's per-device tables (arenas, flag arrays, the source index of a flag)
+// are indexed by a GPU's slot among all GPUs of its host. With one process the slot is the CUDA
+// ordinal; with one process per GPU, Python assigns slots host-wide (jaxflux/_runtime.py) before
+// the first workspace. The host index tells hosts apart in a slot word (host << 8 | slot).
+void SetSlot(int ordinal, int slot);
+int SlotOfOrdinal(int ordinal);
+void SetHostIndex(int host);
+int HostIndex();
+
+// CUDA IPC handles of one device's workspace arena (of a generation) and flag arrays, as bytes
+// (cudaIpcMemHandle_t is 64 bytes) so that this header needs no CUDA types.
+inline constexpr size_t kIpcHandleBytes = 64;
+struct IpcHandles {
+  char arena[kIpcHandleBytes];
+  char ready_flags[kIpcHandleBytes];
+  char landed_flags[kIpcHandleBytes];
+};
+// Exports this process's GPU `ordinal`; false with `error` if it has no arena in `generation`.
+bool ExportDevice(int64_t generation, int ordinal, IpcHandles* out, std::string* error);
+// Opens another process's GPU at host slot `slot` into the tables, mapped for this process's GPU
+// `local_ordinal`: its flag arrays once, its arena of `generation`.
+bool ImportPeer(int64_t generation, int slot, const IpcHandles& handles, int local_ordinal,
+                std::string* error);
+// Closes every imported mapping (process exit).
+void CloseImportedPeers();
 
 // Settings read by every handler call (so they apply to programs compiled earlier too).
 void SetTimeoutNs(uint64_t timeout_ns);

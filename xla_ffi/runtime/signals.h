@@ -28,7 +28,8 @@ struct GroupInfo {
   int group = -1;                        // linear index over the other mesh axes
   int tp = 0;                            // group size
   int channel = -1;                      // index of this group's flags and epoch counters
-  std::array<int, kMaxRanks> peers{};    // CUDA ordinal of each rank of the group
+  int slot = -1;                         // this device's host slot (see runtime.h)
+  std::array<int, kMaxRanks> peers{};    // host slot of each rank of the group
 };
 
 // Per-device resources that live for the process: side stream, fork/join events, flag arrays.
@@ -41,16 +42,18 @@ struct DeviceResources {
   uint64_t* ready_flags = nullptr;   // [kMaxChannels][kMaxDevices]: device d pushed chunk c here
   uint64_t* landed_flags = nullptr;  // [kMaxChannels][kMaxDevices]: chunk of device d is in out
   int sm_count = 1;                  // caps the receiver's spinning copy grids
+  bool remote = false;               // a GPU of another process: only the flag arrays are set
 };
 
-// Resources of `ordinal` (created by EnsureWorkspace at trace time).
-cudaError_t GetDeviceResources(int ordinal, DeviceResources** out, std::string* failed_call);
+// Resources of host slot `slot` (created by EnsureWorkspace at trace time for this process's
+// GPUs, imported by ImportPeer for other processes').
+cudaError_t GetDeviceResources(int slot, DeviceResources** out, std::string* failed_call);
 
-// Arena base of `ordinal` in `generation` (nullptr when absent).
-char* WorkspaceArena(int64_t generation, int ordinal);
+// Arena base of host slot `slot` in `generation` (nullptr when absent).
+char* WorkspaceArena(int64_t generation, int slot);
 
-// Bumps and returns the epoch of (channel, ordinal). Epochs start at 1.
-uint64_t NextEpoch(int channel, int ordinal);
+// Bumps and returns the epoch of (channel, slot). Epochs start at 1.
+uint64_t NextEpoch(int channel, int slot);
 
 // Host-mapped record the kernels write on timeout / rank mismatch (device pointer).
 DeviceErrorRecord* DeviceErrorRecordPtr();
@@ -58,9 +61,11 @@ DeviceErrorRecord* DeviceErrorRecordPtr();
 // Reads this device's rank info (one synchronous D2H copy on `stream`), then rendezvous with the
 // other local devices of the same call site until all `tp` ranks of its group are known.
 // Bounded by the configured timeout.
+// With one process per GPU the operand also holds the group's slots in rank order
+// (`info_count` == 2 + tp; see docs/design.md) and no rendezvous is needed.
 bool DiscoverGroup(cudaStream_t stream, int ordinal, const int32_t* rank_info_device,
-                   int64_t site, int64_t tp, int64_t num_groups, GroupInfo* info,
-                   std::string* error);
+                   int64_t info_count, int64_t site, int64_t tp, int64_t num_groups,
+                   GroupInfo* info, std::string* error);
 
 // Scoped cudaSetDevice that restores the previous device.
 class DeviceGuard {

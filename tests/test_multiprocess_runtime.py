@@ -1,0 +1,147 @@
+"""The host-side pieces of the fused path across processes (one process per GPU), on CPU with a
+fake extension and a fake key-value store: host slot assignment, the per-generation workspace
+exchange, and the trace-time reasons auto falls back to XLA. The CUDA IPC mapping itself runs
+on GPUs only (tests/test_multiprocess_gpu.py)."""
+import pytest
+
+from jaxflux import _runtime
+from jaxflux.ops import _common
+
+
+@pytest.mark.parametrize("records, expected", [
+    # two processes of one GPU each on one host
+    ({0: ("a", 1), 1: ("a", 1)}, ({0: 0, 1: 0}, {0: 0, 1: 1}, {0: 2})),
+    # four processes on two hosts, interleaved process order
+    ({0: ("a", 1), 1: ("b", 1), 2: ("a", 1), 3: ("b", 1)},
+     ({0: 0, 1: 1, 2: 0, 3: 1}, {0: 0, 1: 0, 2: 1, 3: 1}, {0: 2, 1: 2})),
+    # uneven GPU counts: process 2's first slot comes after process 0's two GPUs
+    ({0: ("a", 2), 1: ("b", 4), 2: ("a", 1)},
+     ({0: 0, 1: 1, 2: 0}, {0: 0, 1: 0, 2: 2}, {0: 3, 1: 4})),
+])
+def test_assign_host_slots(records, expected):
+  assert _runtime.assign_host_slots(records) == expected
+
+
+class FakeKV:
+  def __init__(self, preset=None):
+    self.store = dict(preset or {})
+
+  def key_value_set(self, key, value):
+    assert key not in self.store, f"{key} set twice"
+    self.store[key] = value
+
+  def blocking_key_value_get(self, key, timeout_in_ms):
+    if key not in self.store:
+      raise TimeoutError(f"{key} not set within {timeout_in_ms} ms")
+    return self.store[key]
+
+
+class FakeExt:
+  def __init__(self):
+    self.slots, self.host, self.imported = {}, None, []
+
+  def max_devices(self):
+    return 16
+
+  def set_slot(self, ordinal, slot):
+    self.slots[ordinal] = slot
+
+  def set_host_index(self, host):
+    self.host = host
+
+  def export_device(self, generation, ordinal):
+    return bytes([generation, ordinal]) * 96
+
+  def import_peer(self, generation, slot, handles, local_ordinal):
+    self.imported.append((generation, slot, handles, local_ordinal))
+
+  def close_imported_peers(self):
+    pass
+
+
+class FakeDevice:
+  def __init__(self, ordinal):
+    self.local_hardware_id = ordinal
+
+
+@pytest.fixture
+def process1_of_2(monkeypatch):
+  """This process is process 1 of 2 on one host, with CUDA ordinal 3 (CUDA_VISIBLE_DEVICES
+  aside, JAX may hand a process any ordinal); process 0 has already published."""
+  import jax
+  import json
+  kv = FakeKV({"jaxflux/hosts/0": json.dumps([_runtime._host_identity(), 1])})
+  ext = FakeExt()
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(_runtime, "_kv", lambda: kv)
+  monkeypatch.setattr(_runtime, "_ext", ext)
+  monkeypatch.setattr(_runtime, "_gpu_devices", lambda: (FakeDevice(3),))
+  monkeypatch.setattr(_runtime, "_host_slots", None)
+  monkeypatch.setattr(_runtime, "_exchanged", set())
+  return kv, ext
+
+
+def test_host_slots_are_agreed_through_the_store(process1_of_2):
+  kv, ext = process1_of_2
+  hs = _runtime.host_slots()
+  assert (hs.host, hs.slots, hs.total) == (0, {3: 1}, 2)
+  assert ext.slots == {3: 1} and ext.host == 0
+  assert "jaxflux/hosts/1" in kv.store
+  assert _runtime.host_slots() is hs  # agreed once
+
+
+def test_workspace_exchange_publishes_ours_and_maps_the_peers(process1_of_2):
+  kv, ext = process1_of_2
+  _runtime.host_slots()
+  kv.store["jaxflux/ws/5/0/0"] = (b"\x07" * 192).hex()  # process 0's export of generation 5
+  _runtime._exchange_workspace(5, [3])
+  assert bytes.fromhex(kv.store["jaxflux/ws/5/0/1"]) == bytes([5, 3]) * 96
+  assert ext.imported == [(5, 0, b"\x07" * 192, 3)]
+  _runtime._exchange_workspace(5, [3])  # once per generation
+  assert len(ext.imported) == 1
+
+
+def test_a_peer_that_never_publishes_fails_with_a_clear_error(process1_of_2):
+  kv, _ = process1_of_2
+  _runtime.host_slots()
+  with pytest.raises(RuntimeError, match=r"the workspace \(generation 2\) of host slot 0 did not "
+                                         r"arrive within .* same jaxflux ops in the same order"):
+    _runtime._exchange_workspace(2, [3])
+
+
+def test_multi_process_reasons():
+  one_host = lambda: _runtime.HostSlots(0, {0: 0}, 2, {0: 0, 1: 0}, {0: 0, 1: 1})  # noqa: E731
+  two_hosts = lambda: _runtime.HostSlots(0, {0: 0}, 1, {0: 0, 1: 1}, {0: 0, 1: 0})  # noqa: E731
+  assert _common.multi_process_reason(1, one_host) is None
+  assert "one GPU per process; this process drives 2" in _common.multi_process_reason(2, one_host)
+  assert "spans 2 hosts" in _common.multi_process_reason(1, two_hosts)
+
+
+def test_rank_info_names_the_group_slots_under_set_mesh(monkeypatch):
+  """With one process per GPU and a concrete mesh (jax.set_mesh), rank_info appends the slot
+  words of the device's group in rank order, from a constant table: checked per device on a
+  (dp=2, tp=4) CPU mesh with slot word = 100 + device id."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import PartitionSpec as P
+  from jaxflux.ops import all_gather as ag
+  from conftest import make_mesh
+
+  class Slots:
+    def slot_word(self, device):
+      return 100 + device.id
+
+  monkeypatch.setattr(_runtime, "multi_process", lambda: True)
+  monkeypatch.setattr(_runtime, "host_slots", lambda: Slots())
+  mesh = make_mesh((2, 4), ("dp", "tp"))
+  with jax.set_mesh(mesh):
+    f = jax.jit(jax.shard_map(lambda: ag.rank_info("tp")[0][None], in_specs=(),
+                              out_specs=P(("dp", "tp")), axis_names={"dp", "tp"}))
+    got = np.asarray(f()).reshape(2, 4, 6)
+  expected = ag.expected_rank_info(mesh, "tp")
+  for (i, j), device in np.ndenumerate(mesh.devices):
+    rank, group = expected[device.id]
+    peers = [d.id for d in mesh.devices[i]]  # the devices of this dp row, in tp order
+    assert list(got[i, j]) == [rank, group] + [100 + d for d in peers]
