@@ -145,3 +145,39 @@ def test_rank_info_names_the_group_slots_under_set_mesh(monkeypatch):
     rank, group = expected[device.id]
     peers = [d.id for d in mesh.devices[i]]  # the devices of this dp row, in tp order
     assert list(got[i, j]) == [rank, group] + [100 + d for d in peers]
+
+
+@pytest.fixture
+def native():
+  """The CUDA build's extension (its host-side runtime needs no GPU); slots reset afterwards."""
+  if not _runtime.cuda_built():
+    pytest.skip("needs the CUDA build of the extension")
+  ext = _runtime._ext
+  yield ext
+  ext.set_slot(0, -1)  # back to slot = ordinal
+  ext.set_host_index(0)
+
+
+def test_peers_and_channel_from_slot_words(native):
+  """GPU ordinal 0 of this process is host slot 5 on host 2; its group is slots 3 and 5."""
+  native.set_slot(0, 5)
+  native.set_host_index(2)
+  words = [2 << 8 | 3, 2 << 8 | 5]
+  rank, group, channel, slot, *peers = native._group_from_slot_words(0, words, 1, 0)
+  assert (rank, group, slot, peers) == (1, 0, 5, [3, 5])
+  assert channel == (1 << 3) | (1 << 5)  # the slot set's bitmask: alike in every process
+  # The same set in the other rank order: the same channel.
+  assert native._group_from_slot_words(0, words[::-1], 0, 0)[2] == channel
+
+
+@pytest.mark.parametrize("words, rank, match", [
+    ([2 << 8 | 3, 1 << 8 | 5], 1, r"rank 1 of the tp group of GPU 0 is on host 1, this GPU on "
+                                  r"host 2: the fused ops need the tp axis inside one host"),
+    ([2 << 8 | 3, 2 << 8 | 4], 1, r"GPU 0 is host slot 5 but its group names slot 4 at its rank 1"),
+    ([2 << 8 | 5, 2 << 8 | 5], 1, r"names host slot 5 twice"),
+])
+def test_bad_slot_words_are_rejected(native, words, rank, match):
+  native.set_slot(0, 5)
+  native.set_host_index(2)
+  with pytest.raises(RuntimeError, match=match):
+    native._group_from_slot_words(0, words, rank, 0)

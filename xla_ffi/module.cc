@@ -134,5 +134,16 @@ NB_MODULE(_jaxflux, m) {
         nb::arg("generation"), nb::arg("slot"), nb::arg("handles"), nb::arg("local_ordinal"),
         "Maps another process's GPU (host slot `slot`) from its export_device bytes.");
   m.def("close_imported_peers", &jaxflux::CloseImportedPeers);
+  m.def("_group_from_slot_words",
+        [](int ordinal, const std::vector<int32_t>& words, int rank, int group) {
+          std::vector<int> out;
+          std::string error;
+          if (!jaxflux::GroupFromSlotWordsForTest(ordinal, words, rank, group, &out, &error)) {
+            throw std::runtime_error(error);
+          }
+          return out;
+        },
+        nb::arg("ordinal"), nb::arg("words"), nb::arg("rank"), nb::arg("group"),
+        "Test hook: [rank, group, channel, slot, peers...] from a multi-process rank operand.");
 #endif
 }

@@ -518,6 +518,20 @@ bool GroupFromSlots(int ordinal, const int32_t* words, int rank, int group, int6
 
 }  // namespace
 
+bool GroupFromSlotWordsForTest(int ordinal, const std::vector<int32_t>& words, int rank,
+                               int group, std::vector<int>* out, std::string* error) {
+  const auto tp = static_cast<int64_t>(words.size());
+  if (tp < 1 || tp > kMaxRanks || rank < 0 || rank >= tp) {
+    *error = "jaxflux: bad test arguments";
+    return false;
+  }
+  GroupInfo info;
+  if (!GroupFromSlots(ordinal, words.data(), rank, group, tp, &info, error)) return false;
+  *out = {info.rank, info.group, info.channel, info.slot};
+  out->insert(out->end(), info.peers.begin(), info.peers.begin() + tp);
+  return true;
+}
+
 bool DiscoverGroup(cudaStream_t stream, int ordinal, const int32_t* rank_info_device,
                    int64_t info_count, int64_t site, int64_t tp, int64_t num_groups,
                    GroupInfo* info, std::string* error) {

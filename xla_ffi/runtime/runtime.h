@@ -53,6 +53,11 @@ bool ImportPeer(int64_t generation, int slot, const IpcHandles& handles, int loc
 // Closes every imported mapping (process exit).
 void CloseImportedPeers();
 
+// Test hook (CPU tests; no GPU needed): the group that a one-process-per-GPU rank operand names
+// for this process's GPU `ordinal`: {rank, group, channel, slot, peer slot of each rank}.
+bool GroupFromSlotWordsForTest(int ordinal, const std::vector<int32_t>& words, int rank,
+                               int group, std::vector<int>* out, std::string* error);
+
 // Settings read by every handler call (so they apply to programs compiled earlier too).
 void SetTimeoutNs(uint64_t timeout_ns);
 uint64_t TimeoutNs();
