@@ -1,4 +1,5 @@
-"""Runs examples/train_tp_transformer.py as N local processes joined by jax.distributed.
+"""Runs examples/train_tp_transformer.py (or, with --bench, `python -m jaxflux.bench`) as N
+local processes joined by jax.distributed.
 
 One process per GPU when the machine has NVIDIA GPUs (each process drives its own GPU, chosen with
 the example's --local-device-ids; every GPU stays visible to every process, which CUDA IPC between
@@ -8,8 +9,9 @@ machine: process 0 runs the coordinator on 127.0.0.1 and only process 0 prints.
 
     python examples/launch_multiprocess.py                          # all GPUs, or 2 x 4 CPU devices
     python examples/launch_multiprocess.py -n 2 --cpu-devices 2 -- --tp 2 --steps 20
+    python examples/launch_multiprocess.py --bench -- --op ag_gemm --M 2048,8192
 
-Arguments after ``--`` go to the training script. Exits with the first non-zero exit status of
+Arguments after ``--`` go to the training script (or the benchmark). Exits with the first non-zero exit status of
 a process; when one process fails, the others are stopped after a grace period instead of
 waiting for a peer that is gone.
 """
@@ -95,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--platform", choices=("auto", "gpu", "cpu"), default="auto",
                    help="auto: GPUs if nvidia-smi lists any")
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    p.add_argument("--bench", action="store_true",
+                   help="run the benchmark (python -m jaxflux.bench) instead of the example")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds before all processes are killed (default: none)")
     args = p.parse_args(ours)
@@ -112,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ)
         # The coordinator listens on loopback only (JAX's default is every interface).
         env["JAX_COORDINATOR_BIND_ADDRESS"] = coordinator
-        cmd = [sys.executable, str(EXAMPLE), *example_args,
-               "--distributed", f"{coordinator},{n},{i}"]
+        program = ["-m", "jaxflux.bench"] if args.bench else [str(EXAMPLE)]
+        cmd = [sys.executable, *program, *example_args, "--distributed", f"{coordinator},{n},{i}"]
         if gpus:
             cmd += ["--local-device-ids", str(i)]  # the i-th visible GPU
         else:

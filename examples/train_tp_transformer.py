@@ -143,6 +143,8 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from jaxflux.bench.processes import join as join_processes
+
 # --------------------------------------------------------------------------------------------
 # Dense factories: the model is written against `dense(features, tensor_parallel=..., name=...)`
 # so the same code builds the jaxflux model and the flax.linen.Dense reference.
@@ -510,7 +512,8 @@ def format_timing(t: dict) -> str:
 # moments take ~47 GB per device at tp=2.
 PRESETS = {
     "llama70b-8l": dict(hidden=8192, heads=64, ffn=28672, layers=8, seq=4096, batch=1,
-                        activation="swiglu", vocab=32768, dtype="bfloat16", lr=3e-4),
+                        activation="swiglu", vocab=32768, dtype="bfloat16", lr=1.5e-4,
+                        lr_warmup=50),
 }
 
 
@@ -531,6 +534,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--tp", type=int, default=None, help="tp size (default: all devices)")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr-warmup", type=int, default=0,
+                   help="steps of linear learning-rate warm-up from 0 to --lr (large models "
+                        "diverge without it)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="compute dtype (params stay float32)")
     p.add_argument("--mode", choices=("jaxflux", "xla", "windowed"), default="jaxflux",
@@ -581,6 +587,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--impl {args.impl} applies to --mode jaxflux only (--mode {args.mode})")
     if args.warmup_steps < 0:
         p.error("--warmup-steps must be >= 0")
+    if args.lr_warmup < 0:
+        p.error("--lr-warmup must be >= 0")
     return args
 
 
@@ -592,24 +600,7 @@ def default_rtol(dtype: str, platform: str) -> float:
 
 def init_process(args: argparse.Namespace) -> None:
     """Per-process JAX setup from the flags; must run before the first JAX operation."""
-    if args.cpu_devices is not None:
-        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    if args.distributed == "auto":
-        jax.distributed.initialize()
-    elif args.distributed:
-        try:
-            coordinator, num, pid = args.distributed.split(",")
-            num, pid = int(num), int(pid)
-        except ValueError:
-            raise ValueError(f"--distributed {args.distributed!r}: expected COORD,NUM,ID, e.g. "
-                             "127.0.0.1:1234,2,0") from None
-        # Explicit values: no cluster auto-detection (a SLURM allocation around a local
-        # launch would otherwise override them).
-        local = ([int(i) for i in args.local_device_ids.split(",")]
-                 if args.local_device_ids else None)
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num,
-                                   process_id=pid, cluster_detection_method="deactivate",
-                                   local_device_ids=local)
+    join_processes(args.distributed, args.local_device_ids, args.cpu_devices)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -654,8 +645,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     batches = [synthetic_batch(args.seed, i, args.batch, args.seq, args.vocab)
                for i in range(args.steps)]
     example = jnp.asarray(batches[0][:, :-1])
+    lr = (optax.linear_schedule(0.0, args.lr, args.lr_warmup) if args.lr_warmup > 0
+          else args.lr)
     tx = optax.chain(optax.clip_by_global_norm(1.0),
-                     optax.adamw(args.lr, b1=0.9, b2=0.98, weight_decay=0.01))
+                     optax.adamw(lr, b1=0.9, b2=0.98, weight_decay=0.01))
     peak = args.peak_tflops or default_peak_tflops(device.device_kind, args.dtype)
     result: dict[str, Any] = {"args": vars(args), "dp": dp, "tp": tp, "mode": mode,
                               "peak_tflops": peak}

@@ -22,6 +22,8 @@ jax.distributed.initialize(coordinator_address=f"127.0.0.1:{PORT}", num_processe
                            coordinator_bind_address=f"127.0.0.1:{PORT}",
                            cluster_detection_method="deactivate", initialization_timeout=60)
 
+print(f"joined: process {PROCESS_ID} of {NUM_PROCESSES}, devices {jax.devices()}", flush=True)
+
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
@@ -91,8 +93,11 @@ def run_check():
 
   x, w = operands(3, 128 * tp, 256, 128 * tp)
   ct = np.random.default_rng(4).standard_normal((128 * tp, 128 * tp)).astype(np.float32)
-  loss = lambda x, w: jnp.sum(ag(x, w).astype(jnp.float32) * global_array(ct, P(None, "tp")))
-  dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(bf16(x, P("tp", None)), bf16(w, P(None, "tp")))
+  # The cotangent is an argument: a jitted function may not close over an array that spans
+  # other processes' devices.
+  loss = lambda x, w, ct: jnp.sum(ag(x, w).astype(jnp.float32) * ct)  # noqa: E731
+  dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(bf16(x, P("tp", None)), bf16(w, P(None, "tp")),
+                                                   global_array(ct, P(None, "tp")))
   check("gradient x", dx, ct @ w.T)
   check("gradient w", dw, x.T @ ct)
 

@@ -147,6 +147,20 @@ def test_preset_sets_defaults_and_flags_override(example):
   assert example.parse_args([]).hidden == 128  # no preset: the small defaults
 
 
+def test_lr_warmup_starts_from_zero(example):
+  """--lr-warmup N ramps the learning rate up from 0, so the first update changes nothing: step
+  1's loss is that of the initial parameters (a run with --lr 0), unlike a run without warm-up."""
+  _require_devices(8)
+  base = SMALL + ["--tp", "8", "--steps", "2", "--no-compare"]
+  warm = example.main(base + ["--lr-warmup", "5"])["losses"]
+  frozen = example.main(base + ["--lr", "0"])["losses"]
+  moved = example.main(base)["losses"]
+  assert warm[1] == pytest.approx(frozen[1], rel=1e-6)
+  assert abs(moved[1] - frozen[1]) > 1e-3 * abs(frozen[1])
+  with pytest.raises(SystemExit):
+    example.parse_args(["--lr-warmup", "-1"])
+
+
 def test_out_writes_a_json_record(example, tmp_path):
   import json
 

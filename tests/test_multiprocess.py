@@ -110,3 +110,33 @@ def test_training_example_two_processes(launcher, tmp_path):
   assert "MATCH" in text and "MISMATCH" not in text, text
   # Only process 0 reports.
   assert text.count("final losses:") == 1, text
+
+
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs"])
+def test_benchmark_two_processes(launcher, tmp_path, op):
+  # `python -m jaxflux.bench` as 2 processes x 2 CPU devices, tp=4 across them: every process
+  # runs the rows, process 0 alone writes the JSON, and its record matches a single-process one.
+  import json
+
+  shapes = tmp_path / "shapes.json"
+  shapes.write_text(json.dumps({op: [{"name": "tiny", "K": 64, "N": 64}], "M": [64]}))
+  out = tmp_path / "bench.json"
+  bench_args = ["--op", op, "--shapes-file", str(shapes), "--iters", "3", "--warmup", "1",
+                "--repeats", "2", "--variants", "gemm,comm,xla,jaxflux,auto", "--out", str(out)]
+  log = tmp_path / "launcher.log"
+  with open(log, "w") as stdout:
+    codes = launcher.launch(
+        [[sys.executable, str(LAUNCHER), "-n", "2", "--cpu-devices", "2", "--platform", "cpu",
+          "--timeout", "100", "--bench", "--", *bench_args]],
+        [child_env()], timeout=110, stdouts=[stdout])
+  text = log.read_text()
+  assert codes == [0], text
+  assert text.count("[bench] wrote") == 1, text  # only process 0 reports
+  record = json.loads(out.read_text())
+  assert record["settings"]["processes"] == 2 and record["settings"]["tp"] == 4
+  assert record["machine"]["device_count"] == 4
+  (row,) = record["rows"]
+  for variant in ("gemm", "comm", "xla", "auto"):
+    assert row["ms"][variant] > 0, row
+  assert row["rel_err"]["auto"] < 1e-2, row
+  assert row["ms"]["jaxflux"] is None and "fused" in row["errors"]["jaxflux"].lower(), row

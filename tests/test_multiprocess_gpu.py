@@ -32,13 +32,13 @@ def launcher():
 def _run(launcher, tmp_path, mode, timeout):
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",  # this process holds the GPUs too
              PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-  commands = [[sys.executable, str(WORKER), str(launcher.free_port()), "2", str(i), mode]
-              for i in range(2)]
+  port = str(launcher.free_port())  # one coordinator port for the whole group
+  commands = [[sys.executable, str(WORKER), port, "2", str(i), mode] for i in range(2)]
   return run_group(launcher, commands, tmp_path, timeout, env=env, grace=30, name=mode)
 
 
 def test_fused_ops_across_two_processes(launcher, tmp_path):
-  results = _run(launcher, tmp_path, "check", timeout=240)
+  results = _run(launcher, tmp_path, "check", timeout=180)
   assert [code for code, _ in results] == [0, 0], describe(results)
   for i, (_, out) in enumerate(results):
     assert f"WORKER OK {i}" in out, describe(results)
@@ -49,5 +49,5 @@ def test_fused_ops_across_two_processes(launcher, tmp_path):
 
 
 def test_a_dead_peer_fails_the_survivor_within_the_timeout(launcher, tmp_path):
-  results = _run(launcher, tmp_path, "die", timeout=120)
+  results = _run(launcher, tmp_path, "die", timeout=90)
   assert results[0][0] == 0 and "PASS dead peer" in results[0][1], describe(results)

@@ -21,8 +21,11 @@ def test_states_the_largest_relative_difference_and_writes_a_png(tmp_path, capsy
     path.write_text(json.dumps({"mode": mode, "losses": losses}))
     runs.append(str(path))
   png = tmp_path / "losses.png"
-  _module().main(runs + ["--png", str(png)])
-  assert "jaxflux vs xla: max |relative difference| over 3 steps 1.000e-01" in capsys.readouterr().out
+  _module().main(runs + ["--png", str(png), "--smooth", "2"])
+  out = capsys.readouterr().out
+  assert ("jaxflux vs xla over 3 steps: first step differing by > 1e-3 relative: 2; "
+          "max |relative difference| 1.000e-01; of the 2-step means 4.000e-02; "
+          "mean of the last 2 steps 2.6000 vs 2.5000") in out, out
   assert png.stat().st_size > 1000
 
 
@@ -30,3 +33,12 @@ def test_max_rel_diff_compares_the_common_prefix():
   np = pytest.importorskip("numpy")
   m = _module()
   assert m.max_rel_diff(np.array([1.0, 2.0, 9.0]), np.array([1.0, 2.5])) == pytest.approx(0.2)
+
+
+def test_first_divergence_and_moving_average():
+  np = pytest.importorskip("numpy")
+  m = _module()
+  assert m.first_divergence(np.array([1.0, 2.0, 3.1]), np.array([1.0, 2.0, 3.0])) == 2
+  assert m.first_divergence(np.array([1.0, 2.0]), np.array([1.0, 2.0001])) is None
+  assert m.moving_average(np.array([1.0, 3.0, 5.0, 7.0]), 2).tolist() == [2.0, 4.0, 6.0]
+  assert m.moving_average(np.array([1.0, 3.0]), 5).tolist() == [1.0, 3.0]  # too short: as is

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -10,6 +11,7 @@ from typing import Any
 
 import jax
 
+from jaxflux.bench import device_clock, processes
 from jaxflux.bench.config import (CHILD_MARKER, DEFAULT_VARIANTS, DEFINITIONS, EXTRA_VARIANTS,
                                   OP_VARIANTS, OPS, WINDOWED_FLAGS, repo_root)
 from jaxflux.bench.inputs import make_mesh
@@ -32,6 +34,10 @@ def _row_summary(r: dict) -> str:
   if r.get("overlap_efficiency") is not None:
     text += f" E={r['overlap_efficiency']:.2f}"
   return text
+
+
+def _silent(*args, **kwargs) -> None:
+  """The log of every process but process 0."""
 
 
 def _csv(cast):
@@ -65,11 +71,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       f"(default {','.join(DEFAULT_VARIANTS)})")
   p.add_argument("--timing", choices=("auto", "loop", "dispatch", "device"), default="auto",
                  help="loop: calls chained in one jitted fori_loop; dispatch: Python loop of "
-                      "async jitted calls, one sync; auto (default): dispatch on GPU (loop mode "
-                      "timed collectives impossibly fast there, 1042 GB/s for a 16 MiB "
-                      "all-gather on 2xH200), loop elsewhere (queued CPU collectives deadlock); "
-                      "device (GPU): dispatch's calls timed by the GPUs' own clocks, read in "
-                      "stream order around them (jaxflux/bench/device_clock.py)")
+                      "async jitted calls, one sync; device (GPU): dispatch's calls timed by "
+                      "the GPUs' own clocks, read in stream order around them "
+                      "(jaxflux/bench/device_clock.py); auto (default): device on GPU with a "
+                      "CUDA build of jaxflux (median spread 0.5%% where dispatch's was 7.7%% on "
+                      "2xH200), else dispatch there (loop mode timed collectives impossibly "
+                      "fast on GPU), loop elsewhere (queued CPU collectives deadlock)")
   p.add_argument("--chain", choices=("auto", "barrier", "perturb"), default="auto",
                  help="how loop-mode calls are made to depend on each other: barrier "
                       "(free; GPU), perturb (one tiny kernel per call; works everywhere); auto "
@@ -82,6 +89,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  help="output folder (default: benchmarks/results/ of the repo) or a .json path")
   p.add_argument("--shapes-file", default=None,
                  help="default: shared/bench/shapes.json beside the repo (../shared) or in it")
+  p.add_argument("--distributed", metavar="COORD,NUM,ID", nargs="?", const="auto",
+                 help="join jax.distributed as process ID of NUM, coordinator at COORD "
+                      "(host:port, process 0's); bare --distributed auto-detects them (SLURM, "
+                      "Open MPI). Every process runs the same rows; process 0 prints and writes "
+                      "the JSON. `python examples/launch_multiprocess.py --bench -- ARGS` sets it")
+  p.add_argument("--local-device-ids", default=None,
+                 help="with --distributed: the GPUs this process drives (e.g. 0)")
+  p.add_argument("--cpu-devices", type=int, default=None,
+                 help="CPU devices of this process (before JAX starts; for multi-process on CPU)")
   p.add_argument("--child-timeout", type=float, default=3600.0, help=argparse.SUPPRESS)
   p.add_argument("--_windowed-child", dest="_windowed_child", action="store_const", const=True,
                  default=False, help=argparse.SUPPRESS)
@@ -97,12 +113,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   return args
 
 
+def _bench_rows(args, rows, mesh, variants, result, out_path, child, want_windowed, log):
+  """Measures the rows in order, adding each record to `result` (and writing it out)."""
+  for i, row in enumerate(rows):
+    log(f"[bench] row {i + 1}/{len(rows)}: {row.op} {row.name} M={row.M} K={row.K} N={row.N} "
+        f"tp={row.tp} {row.dtype}", flush=True)
+    record = bench_row(row, mesh, variants, args, log=log)
+    record["key"] = row.key()
+    if want_windowed:
+      merge_windowed(record, child)
+    record.pop("key")
+    result["rows"].append(record)
+    log("        " + _row_summary(record), flush=True)
+    # Written after every row so that a run cut short keeps what it measured.
+    if processes.is_leader():
+      write_json(out_path, result)
+
+
 def run(argv: list[str] | None = None, log=print) -> dict:
   """Runs the benchmark described by command-line style `argv`; returns the result dict (also
   written as JSON, see --out)."""
   args = parse_args(argv)
+  if args.distributed or args.cpu_devices is not None:
+    processes.join(args.distributed, args.local_device_ids, args.cpu_devices)
+  if not processes.is_leader():
+    log = _silent
   if args.timing == "auto":
-    args.timing = "dispatch" if jax.default_backend() == "gpu" else "loop"
+    if jax.default_backend() != "gpu":
+      args.timing = "loop"
+    else:
+      args.timing = "device" if device_clock.available() else "dispatch"
   if args.timing == "device" and jax.default_backend() != "gpu":
     raise SystemExit(f"--timing device reads the GPUs' clocks; this backend is "
                      f"{jax.default_backend()!r}. Use --timing loop or dispatch.")
@@ -119,7 +159,10 @@ def run(argv: list[str] | None = None, log=print) -> dict:
   # (by default 75% of) GPU memory; it builds the same rows from the same arguments.
   child = None
   want_windowed = "xla_windowed" in variants and "xla_windowed" in OP_VARIANTS[args.op]
-  if want_windowed:
+  if want_windowed and jax.process_count() > 1:
+    child = {"skipped": "not timed in multi-process runs (its child process would have to "
+                        "join the group)"}
+  elif want_windowed:
     child = platforms_exclude_gpu()
     child = {"skipped": child} if child else run_windowed_child(args, argv, shapes_path, log=log)
 
@@ -130,7 +173,8 @@ def run(argv: list[str] | None = None, log=print) -> dict:
   result: dict[str, Any] = {
       **provenance("python -m jaxflux.bench", argv, stamp),
       "settings": {
-          "op": args.op, "tp": tp, "dtype": args.dtype, "iters": args.iters,
+          "op": args.op, "tp": tp, "processes": jax.process_count(), "dtype": args.dtype,
+          "iters": args.iters,
           "warmup": args.warmup, "repeats": args.repeats, "timing": args.timing,
           "chain": chain_kind(args) if args.timing == "loop" else None,
           "rotate_mib": args.rotate_mib, "seed": args.seed, "variants": variants,
@@ -144,24 +188,19 @@ def run(argv: list[str] | None = None, log=print) -> dict:
       "rows": [],
   }
   out_path = output_path(args, platform, tp, stamp)
-  out_path.parent.mkdir(parents=True, exist_ok=True)
-  for i, row in enumerate(rows):
-    log(f"[bench] row {i + 1}/{len(rows)}: {row.op} {row.name} M={row.M} K={row.K} N={row.N} "
-        f"tp={row.tp} {row.dtype}", flush=True)
-    record = bench_row(row, mesh, variants, args, log=log)
-    record["key"] = row.key()
-    if want_windowed:
-      merge_windowed(record, child)
-    record.pop("key")
-    result["rows"].append(record)
-    log("        " + _row_summary(record), flush=True)
-    # Written after every row so that a run cut short keeps what it measured.
-    write_json(out_path, result)
+  if processes.is_leader():
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+  # Under jax.distributed the fused ops learn their peers' workspace slots from a constant
+  # table when traced under jax.set_mesh; without it each call would all-gather them first.
+  ambient = jax.set_mesh(mesh) if jax.process_count() > 1 else contextlib.nullcontext()
+  with ambient:
+    _bench_rows(args, rows, mesh, variants, result, out_path, child, want_windowed, log)
   try:  # repo-relative where it can be, so committed records name no local folders
     result["output"] = str(out_path.resolve().relative_to(repo_root()))
   except ValueError:
     result["output"] = str(out_path)
-  write_json(out_path, result)
+  if processes.is_leader():
+    write_json(out_path, result)
   result["output"] = str(out_path)
   log(format_table(result))
   log(f"[bench] wrote {out_path}")

@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxflux import _runtime
+from jaxflux.bench import processes
 from jaxflux.bench.config import AXIS
 
 # Time the host is given to queue the timed calls: generous per call (a jitted multi-device
@@ -65,12 +66,15 @@ class DeviceClock:
 
   @staticmethod
   def nanoseconds(words: jax.Array) -> np.ndarray:
-    """Per-device timer values (uint64 ns) from a read's {low, high} words."""
+    """This process's devices' timer values (uint64 ns) from a read's {low, high} words."""
+    if isinstance(words, jax.Array):
+      words = processes.local_values(words)
     w = np.asarray(words, dtype=np.uint64).reshape(-1, 2)
     return w[:, 0] | (w[:, 1] << np.uint64(32))
 
 
 def elapsed_ms_per_call(start: jax.Array, end: jax.Array, calls: int) -> float:
-  """The slowest device's time between the two reads, per call, in ms."""
+  """The slowest device's time between the two reads, per call, in ms (of this process's
+  devices: the caller takes the maximum over processes)."""
   t0, t1 = DeviceClock.nanoseconds(start), DeviceClock.nanoseconds(end)
   return float(np.max(t1 - t0)) / 1e6 / calls

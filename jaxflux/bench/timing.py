@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxflux.bench import processes
 from jaxflux.bench.config import AXIS
 from jaxflux.bench.machine import is_gpu
 from jaxflux.bench.variants import Variant
@@ -146,12 +147,12 @@ class _Timed:
     return y
 
   def time_ms(self) -> float:
-    """Milliseconds per call of one timed run."""
+    """Milliseconds per call of one timed run (the slowest process's, under jax.distributed)."""
     if self.clock is not None:
-      return self._device_time_ms()
+      return processes.max_over_processes(self._device_time_ms())
     t0 = time.perf_counter()
     self.run().block_until_ready()
-    return (time.perf_counter() - t0) * 1e3 / self.calls
+    return processes.max_over_processes((time.perf_counter() - t0) * 1e3 / self.calls)
 
   def _device_time_ms(self) -> float:
     from jaxflux.bench.device_clock import elapsed_ms_per_call, spin_ns_for
@@ -164,7 +165,7 @@ class _Timed:
     queued_s = time.perf_counter() - host_start
     end.block_until_ready()
     # Were all calls queued before the GPUs left the idle read? If not, the host still showed.
-    filled = queued_s < spin_ns * 1e-9
+    filled = processes.all_processes(queued_s < spin_ns * 1e-9)
     self.queue_filled = filled if self.queue_filled is None else (self.queue_filled and filled)
     return elapsed_ms_per_call(start, end, self.calls)
 
