@@ -12,13 +12,14 @@
 #             (~6 min)
 #   profile   one profiled step of the llama70b-8l preset in jaxflux and xla modes (~4 min)
 #   losses    200 steps of each of issue 7's three modes, for the loss curves (~8 min)
+#   trainshapes  the training step's GEMM shapes: AG+GEMM per tile config, GEMM+RS (~5 min)
 #   processes issue 6: both fused ops timed by one process and by one process per GPU, compared
 #             (~4 min)
 # Needs .whl/ with the CUTLASS wheel (pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0),
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
-STAGES=${STAGES:-tests clock allgather bench train profile losses processes}
+STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLUX_CUDA=ON
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
@@ -87,6 +88,17 @@ if stage losses; then
   # Issue 7's loss curves: 200 steps per mode from one seed; xla vs windowed is the noise floor
   # between two XLA programs that jaxflux vs xla is judged against. Each mode needs ~2 min.
   MODE_TIMEOUT_S=180 bash benchmarks/train_modes.sh "$OUTDIR" 200 || status=1
+fi
+
+if stage trainshapes; then
+  # The training step's own GEMM shapes: every AG+GEMM tile config (is the config heuristic
+  # right for them?) and GEMM+RS against XLA.
+  bash benchmarks/sweep_ag_gemm_configs.sh "$OUTDIR" 4096 benchmarks/shapes_llama70b_8l_train.json \
+    || status=1
+  timeout 120 python3 -m jaxflux.bench --op gemm_rs --M 4096 \
+    --shapes-file benchmarks/shapes_llama70b_8l_train.json \
+    --variants gemm,gemm_only,comm,xla,jaxflux,auto --iters 30 --repeats 3 --warmup 3 \
+    --out "$OUTDIR/gemm_rs_train_shapes.json" 2>&1 | grep -A12 "^name" || status=1
 fi
 
 if stage processes; then

@@ -48,7 +48,8 @@ class DeviceClock:
       return call(after, spin_ns=np.int64(spin_ns))
 
     sharding = NamedSharding(mesh, P(AXIS))
-    self._after = jax.device_put(jnp.zeros((self.n,), jnp.int32), sharding)
+    # From host memory: under jax.distributed each process places its own devices' part.
+    self._after = jax.device_put(np.zeros((self.n,), np.int32), sharding)
     self._programs = {}
     self._mesh = mesh
     self._read = read
