@@ -73,8 +73,8 @@ def main(argv=None) -> None:
              linewidth=1.8, label=f"{label}, mean of {args.smooth} steps")
   for label, losses in curves[1:]:
     n = min(len(base), len(losses))
-    bottom.plot(np.arange(n), (base[:n] - losses[:n]) / losses[:n], label=f"{base_label} vs {label}",
-                linewidth=1)
+    bottom.plot(np.arange(n), (base[:n] - losses[:n]) / losses[:n],
+                label=f"{base_label} vs {label}", linewidth=1)
     a, b = moving_average(base[:n], args.smooth), moving_average(losses[:n], args.smooth)
     first = first_divergence(base, losses)
     tail = min(args.smooth, n)

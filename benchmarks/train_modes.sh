@@ -2,7 +2,8 @@
 # Issue 7: the training example in its three modes (jaxflux fused, xla, XLA windowed einsum) on
 # all local GPUs, same seed and batches; one JSON per mode (loss curve, step times, MFU, HLO
 # counts). On the GPU machine, after building (see gpu_check.sh):
-#   bash benchmarks/train_modes.sh [OUTDIR] [STEPS]   (PRESET=llama70b-8l, MODES="jaxflux xla windowed")
+#   bash benchmarks/train_modes.sh [OUTDIR] [STEPS]
+# (env: PRESET=llama70b-8l, MODES="jaxflux xla windowed" by default)
 # then, anywhere with matplotlib:
 #   python benchmarks/plot_losses.py OUTDIR/train_*_jaxflux_*.json OUTDIR/train_*_xla_*.json
 set -uo pipefail

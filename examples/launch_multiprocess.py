@@ -11,9 +11,9 @@ machine: process 0 runs the coordinator on 127.0.0.1 and only process 0 prints.
     python examples/launch_multiprocess.py -n 2 --cpu-devices 2 -- --tp 2 --steps 20
     python examples/launch_multiprocess.py --bench -- --op ag_gemm --M 2048,8192
 
-Arguments after ``--`` go to the training script (or the benchmark). Exits with the first non-zero exit status of
-a process; when one process fails, the others are stopped after a grace period instead of
-waiting for a peer that is gone.
+Arguments after ``--`` go to the training script (or the benchmark). Exits with the first
+non-zero exit status of a process; when one process fails, the others are stopped after a grace
+period instead of waiting for a peer that is gone.
 """
 
 from __future__ import annotations

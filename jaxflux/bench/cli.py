@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       "async jitted calls, one sync; device (GPU): dispatch's calls timed by "
                       "the GPUs' own clocks, read in stream order around them "
                       "(jaxflux/bench/device_clock.py); auto (default): device on GPU with a "
-                      "CUDA build of jaxflux (median spread 0.5%% where dispatch's was 7.7%% on "
+                      "CUDA build of jaxflux (median spread 0.45%% where dispatch's was 7.3%% on "
                       "2xH200), else dispatch there (loop mode timed collectives impossibly "
                       "fast on GPU), loop elsewhere (queued CPU collectives deadlock)")
   p.add_argument("--chain", choices=("auto", "barrier", "perturb"), default="auto",

@@ -10,7 +10,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxflux.bench import processes
+from jaxflux.bench import device_clock, processes
 from jaxflux.bench.config import AXIS
 from jaxflux.bench.machine import is_gpu
 from jaxflux.bench.variants import Variant
@@ -128,9 +128,9 @@ class _Timed:
       self.calls = max(1, iters)
       self._program = compile_(variant.fn, layouts)
       if mode == "device":
-        from jaxflux.bench.device_clock import DeviceClock, spin_ns_for
-        self.clock = DeviceClock(mesh)
-        for spin_ns in (spin_ns_for(self.calls), 0):  # compiled here, not inside a timed run
+        self.clock = device_clock.DeviceClock(mesh)
+        # Both reads compiled here, not inside a timed run.
+        for spin_ns in (device_clock.spin_ns_for(self.calls), 0):
           self.clock.read(spin_ns).block_until_ready()
     else:
       raise ValueError(f"--timing {mode!r}: use 'loop', 'dispatch' or 'device'")
@@ -155,9 +155,7 @@ class _Timed:
     return processes.max_over_processes((time.perf_counter() - t0) * 1e3 / self.calls)
 
   def _device_time_ms(self) -> float:
-    from jaxflux.bench.device_clock import elapsed_ms_per_call, spin_ns_for
-
-    spin_ns = spin_ns_for(self.calls)
+    spin_ns = device_clock.spin_ns_for(self.calls)
     host_start = time.perf_counter()
     start = self.clock.read(spin_ns)
     self.run()
@@ -167,7 +165,7 @@ class _Timed:
     # Were all calls queued before the GPUs left the idle read? If not, the host still showed.
     filled = processes.all_processes(queued_s < spin_ns * 1e-9)
     self.queue_filled = filled if self.queue_filled is None else (self.queue_filled and filled)
-    return elapsed_ms_per_call(start, end, self.calls)
+    return device_clock.elapsed_ms_per_call(start, end, self.calls)
 
   def hlo_text(self) -> str:
     if self.mode == "loop":

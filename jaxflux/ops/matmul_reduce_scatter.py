@@ -85,8 +85,8 @@ def _auto_prefers_fused(x, w, tp: int) -> bool:
 
 
 def _resolve(impl, x, w, preferred_element_type, axis_name) -> str:
-  return _common.resolve_on_axis("matmul_reduce_scatter", impl, x, w, preferred_element_type, axis_name,
-                                 _fused_unsupported_reason, _auto_prefers_fused)
+  return _common.resolve_on_axis("matmul_reduce_scatter", impl, x, w, preferred_element_type,
+                                 axis_name, _fused_unsupported_reason, _auto_prefers_fused)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))

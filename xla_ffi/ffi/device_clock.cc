@@ -9,6 +9,7 @@
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi/errors.h"
 #include "xla_ffi/kernels/clock_kernels.h"
 
 namespace ffi = xla::ffi;
@@ -28,12 +29,8 @@ ffi::Error DeviceClock(cudaStream_t stream, ffi::AnyBuffer /*after*/,
     return ffi::Error::InvalidArgument("jaxflux device_clock: spin_ns must be in [0, 1e10], got " +
                                        std::to_string(spin_ns));
   }
-  if (cudaError_t err = LaunchDeviceClock(out->typed_data(), static_cast<uint64_t>(spin_ns),
-                                          stream);
-      err != cudaSuccess) {
-    return ffi::Error::Internal(std::string("jaxflux device_clock: launch failed: ") +
-                                cudaGetErrorString(err));
-  }
+  JAXFLUX_RETURN_IF_CUDA_ERROR(
+      "device_clock", LaunchDeviceClock(out->typed_data(), static_cast<uint64_t>(spin_ns), stream));
   return ffi::Error::Success();
 }
 

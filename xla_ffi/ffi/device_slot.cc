@@ -10,6 +10,7 @@
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi/errors.h"
 #include "xla_ffi/runtime/runtime.h"
 #include "xla_ffi/runtime/stream_ops.h"
 
@@ -34,7 +35,7 @@ ffi::Error DeviceSlot(cudaStream_t stream, int32_t ordinal,
   std::string error;
   // Little-endian: the 64-bit write puts `word` in element 0 and zero in element 1.
   if (!WriteFlag(stream, reinterpret_cast<uint64_t*>(out->typed_data()), word, &error)) {
-    return ffi::Error::Internal("jaxflux device_slot: " + error);
+    return OpError("device_slot", error);
   }
   return ffi::Error::Success();
 }
