@@ -7,7 +7,8 @@
 #   tests     every GPU-marked test (~6 min on 2xH200), or those of the files in $GPU_TESTS
 #   clock     --timing device against --timing dispatch: two ag_gemm shapes, the all-gather (~2 min)
 #   allgather the copy-engine all-gather vs lax.all_gather (~2 min)
-#   bench     both fused ops vs XLA at M=2048,8192, GEMM-only columns included (~4 min)
+#   bench     both fused ops vs XLA at M=2048,8192, GEMM-only columns included, and GEMM+RS
+#             with its reduction forced to the separate pass and to the epilogue (~6 min)
 #   train     the training example: 20 bf16 steps, and 30 steps of the three modes of issue 7
 #             (~6 min)
 #   profile   one profiled step of the llama70b-8l preset in jaxflux and xla modes (~4 min)
@@ -65,6 +66,14 @@ if stage bench; then
   timeout 150 python3 -m jaxflux.bench --op gemm_rs --M 2048,8192 \
     --variants gemm,gemm_only,comm,xla,jaxflux,auto --timing device --iters 30 --repeats 3 \
     --warmup 3 --out "$OUTDIR/gemm_rs_fused.json" 2>&1 | grep -A12 "^name" || status=1
+  # Where GEMM+RS sums the partials: each mode forced, then the two compared row by row.
+  for mode in pass epilogue; do
+    JAXFLUX_GEMM_RS_REDUCE=$mode timeout 120 python3 -m jaxflux.bench --op gemm_rs \
+      --M 1024,2048,4096,8192 --variants jaxflux --timing device --iters 30 --repeats 3 \
+      --warmup 3 --out "$OUTDIR/gemm_rs_reduce_$mode.json" > /dev/null 2>&1 || status=1
+  done
+  python3 benchmarks/compare_runs.py "$OUTDIR/gemm_rs_reduce_pass.json" \
+    "$OUTDIR/gemm_rs_reduce_epilogue.json" --variants jaxflux || status=1
 fi
 
 if stage train; then

@@ -118,6 +118,34 @@ def test_fused_reduce_scatter_forward_and_grad_trace(fake_gpu):
   assert "jaxflux_all_gather_matmul" in text and "jaxflux_matmul_reduce_scatter" in text
 
 
+@pytest.mark.parametrize("tp,reduce", [(2, "epilogue"), (2, "pass"), (2, None), (4, "pass")])
+def test_reduce_scatter_reduction_modes_trace_into_the_call(fake_gpu, tp, reduce):
+  import importlib
+  rs = importlib.import_module("jaxflux.ops.matmul_reduce_scatter")
+  x = jnp.ones((8 * tp, 32 * tp), jnp.bfloat16)
+  w = jnp.ones((32 * tp, 32), jnp.bfloat16)
+  mesh = make_mesh((tp,), ("tp",))
+  f = jax.shard_map(lambda x, w: rs._fused(x, w, "tp", reduce=reduce), mesh=mesh,
+                    in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None))
+  assert f"('reduce', np.int64({rs.REDUCE_MODES[reduce]}))" in _jaxpr_text(f, x, w)
+
+
+@pytest.mark.parametrize("tp,reduce,match", [
+    (4, "epilogue", r"reduce='epilogue' needs tp=2 \(here tp=4\)"),
+    (2, "fast", r"reduce='fast'; use one of"),
+])
+def test_reduce_scatter_rejects_reduction_modes_it_lacks(fake_gpu, tp, reduce, match):
+  import importlib
+  rs = importlib.import_module("jaxflux.ops.matmul_reduce_scatter")
+  x = jnp.ones((8 * tp, 32 * tp), jnp.bfloat16)
+  w = jnp.ones((32 * tp, 32), jnp.bfloat16)
+  f = jax.shard_map(lambda x, w: rs._fused(x, w, "tp", reduce=reduce),
+                    mesh=make_mesh((tp,), ("tp",)), in_specs=(P(None, "tp"), P("tp", None)),
+                    out_specs=P("tp", None))
+  with pytest.raises(ValueError, match=match):
+    jax.eval_shape(f, x, w)
+
+
 @pytest.mark.parametrize("tp,rows,k_local,fused", [
     (2, 2048, 64, True),         # measured ahead of XLA on 2xH200
     (2, 8192, 14336, True),      # Llama-70B FC2: 1.09x

@@ -67,6 +67,28 @@ def test_odd_shapes_and_batch_dims(dtype, rows_per_rank, K, N, batch):
   assert rel_err(got, reference(x, w)) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("reduce", ["pass", "epilogue"])
+@pytest.mark.parametrize("rows_per_rank,K,N,batch", [
+    (200, 256, 512, ()),      # owner rows not a multiple of the 128-row tile
+    (1024, 4096, 8192, ()),   # several waves of tiles wait on the peer's partial
+    (7, 96, 40, (2, 3)),      # batch dims: the epilogue's C is batched like the output
+])
+def test_both_reduction_modes_match_float32_reference(reduce, rows_per_rank, K, N, batch):
+  """At tp=2 the kernel sums in the own-rows GEMM's epilogue by default; the separate pass is
+  kept for tp > 2 (and as a measurement knob): both against the reference, and each other."""
+  mesh = gpu_mesh()
+  tp = mesh.shape["tp"]
+  if reduce == "epilogue" and tp != 2:
+    pytest.skip("the epilogue reduction is built for tp=2")
+  x, w = operands(rows_per_rank + K + N, batch + (tp * rows_per_rank, K * tp), (K * tp, N),
+                   jnp.bfloat16)
+  body = lambda x, w: rs_module._fused(x, w, "tp", reduce=reduce)  # noqa: E731
+  got = _rs_fn(mesh, x.ndim, body=body)(x, w)
+  assert rel_err(got, reference(x, w)) <= TOL[jnp.bfloat16]
+  default = _rs_fn(mesh, x.ndim)(x, w)  # what impl="fused" picks
+  assert rel_err(default, got) <= TOL[jnp.bfloat16]
+
+
 @pytest.mark.parametrize("M,K,N,batch,owners", [
     (400, 264, 136, (), 2),       # owner blocks not multiples of the 128-row tile
     (4096, 1024, 2048, (), 2),
@@ -154,14 +176,16 @@ def test_compiled_hlo_has_the_custom_call_and_no_reduce_scatter():
   assert _hlo.count_collectives(text).get("reduce-scatter", 0) == 0
 
 
-def test_a_peer_that_never_signals_times_out_instead_of_hanging():
+@pytest.mark.parametrize("reduce", ["pass", None])  # None: the epilogue reduction at tp=2
+def test_a_peer_that_never_signals_times_out_instead_of_hanging(reduce):
   mesh = gpu_mesh()
   tp = mesh.shape["tp"]
   jaxflux.configure(timeout_s=2.0)
   try:
     x, w = operands(17, (tp * 256, 128 * tp), (128 * tp, 256), jnp.bfloat16)
     good = _rs_fn(mesh, 2)
-    hang = _rs_fn(mesh, 2, body=lambda x, w: rs_module._fused(x, w, "tp", debug_skip_rank=0))
+    hang = _rs_fn(mesh, 2, body=lambda x, w: rs_module._fused(x, w, "tp", debug_skip_rank=0,
+                                                              reduce=reduce))
     good(x, w).block_until_ready()
     start = time.monotonic()
     hang(x, w).block_until_ready()

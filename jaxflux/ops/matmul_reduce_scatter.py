@@ -102,15 +102,29 @@ def _forward(x, w, axis_name, impl, preferred_element_type, precision):
   return lax.psum_scatter(partial_sum, axis_name, scatter_dimension=x.ndim - 2, tiled=True)
 
 
-def _fused(x, w, axis_name, debug_skip_rank=-1):
+# Where the fused kernel sums the partials (tests, tuning): None lets it choose (at tp=2 the
+# own-rows GEMM's epilogue when the peer's partial is small for its K, else a separate pass;
+# docs/design.md gives the rule); "pass" forces the separate wait+reduce kernel; "epilogue"
+# requires the epilogue reduction (tp=2 only).
+REDUCE_MODES = {None: 0, "pass": 1, "epilogue": 2}
+
+
+def _fused(x, w, axis_name, debug_skip_rank=-1, reduce=None):
   """The fused kernel (jaxflux_matmul_reduce_scatter FFI target, xla_ffi/ffi/gemm_rs.cc).
 
   debug_skip_rank: test hook; that rank never signals its peers, so they time out.
+  reduce: one of REDUCE_MODES (tests, tuning).
   """
   from jaxflux.ops import all_gather as all_gather_module  # rank_info lives with the runtime op
   from jaxflux.ops import gemm as gemm_module
 
+  if reduce not in REDUCE_MODES:
+    raise ValueError(f"matmul_reduce_scatter: reduce={reduce!r}; use one of "
+                     f"{list(REDUCE_MODES)}")
   tp = lax.axis_size(axis_name)
+  if reduce == "epilogue" and tp != 2:
+    raise ValueError(f"matmul_reduce_scatter: reduce='epilogue' needs tp=2 (here tp={tp}); "
+                     "use reduce=None")
   if tp == 1:  # nothing to reduce
     return gemm_module.gemm(x, w)
   m = x.shape[-2] // tp
@@ -120,7 +134,7 @@ def _fused(x, w, axis_name, debug_skip_rank=-1):
   z = all_gather_module.call_group_op(
       "matmul_reduce_scatter", jax.ShapeDtypeStruct(x.shape[:-2] + (m, n), x.dtype), (x, w),
       axis_name, 2 * 2 * tp * all_gather_module.slot_bytes(partial_bytes),
-      debug_skip_rank=debug_skip_rank)
+      debug_skip_rank=debug_skip_rank, reduce=REDUCE_MODES[reduce])
   # Typed like the XLA path's result: varying along the scattered axis and wherever x, w vary.
   return _common.mark_varying(z, _common.vma(x) | _common.vma(w) | {axis_name})
 

@@ -29,6 +29,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/ffi/errors.h"
+#include "xla_ffi/ffi/gemm_wait.h"
 #include "xla_ffi/ffi/group.h"
 #include "xla_ffi/kernels/ag_gemm_sm90.h"
 #include "xla_ffi/runtime/runtime.h"
@@ -223,18 +224,12 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   problem.config = config >= 0 ? static_cast<AgGemmConfig>(config)
                                : ChooseAgGemmConfig(problem.gemm);
   AgGemmWait& wait = problem.wait;
+  wait = WaitOfThisRank(g, ordinal, epoch, rank_info.typed_data());
   for (int p = 0; p < tp; ++p) wait.flags[p] = res->ready_flags + flag_index + g.peers[p];
   wait.flag_base = base;
   wait.rows_per_shard = static_cast<int>(s.m);
   wait.chunk_rows = static_cast<int>(chunk_rows);
   wait.tp = static_cast<int>(tp);
-  wait.rank = rank;
-  wait.timeout_ns = TimeoutNs();
-  wait.epoch = epoch;
-  wait.device = ordinal;
-  wait.rank_info = rank_info.typed_data();
-  wait.group = g.group;
-  wait.error = DeviceErrorRecordPtr();
   void* gemm_workspace = nullptr;
   if (const size_t bytes = AgGemmSm90WorkspaceBytes(s.dtype, problem); bytes > 0) {
     auto allocation = scratch.Allocate(bytes, 256);

@@ -12,8 +12,15 @@
 //     kernel that waits (bounded) for every peer's flag and sums recv[0..tp) in rank order with
 //     fp32 accumulation into z; then a join with the side stream (stage[] must not be rewritten
 //     before its copy is done).
+//   At tp=2 the own-rows GEMM does the reduction instead (rs_gemm_sm90.h): z = x_r · w + recv[p]
+//     in its epilogue, whose C loads wait (bounded) for the peer's flag while the mainloop runs;
+//     no reduction pass, and the own partial is never rounded to 16 bits on its own.
+//     The `reduce` attribute (or JAXFLUX_GEMM_RS_REDUCE=pass, a measurement knob) keeps the
+//     separate pass.
 // Slot reuse: a peer writes recv[.][e%2] again at e+2 only after its own reduction of e+1, which
-// waited for our flag of e+1, released after our reduction of e had run on our stream.
+// waited for our flag of e+1, released after our reduction of e had run on our stream (with the
+// epilogue reduction: after our own-rows GEMM of e, which precedes our push of e+1 in stream
+// order).
 #include "xla_ffi/ffi/gemm_rs.h"
 
 #include <cuda_runtime_api.h>
@@ -22,6 +29,7 @@
 #include <array>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -30,9 +38,11 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/ffi/errors.h"
+#include "xla_ffi/ffi/gemm_wait.h"
 #include "xla_ffi/ffi/group.h"
 #include "xla_ffi/kernels/gemm_sm90.h"
 #include "xla_ffi/kernels/reduce_kernels.h"
+#include "xla_ffi/kernels/rs_gemm_sm90.h"
 #include "xla_ffi/runtime/runtime.h"
 #include "xla_ffi/runtime/signals.h"
 #include "xla_ffi/runtime/stream_ops.h"
@@ -95,12 +105,65 @@ ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32>
   return ffi::Error::Success();
 }
 
+// The end of a call: debug line, optional sync, and any device error recorded before it.
+ffi::Error Finish(cudaStream_t stream, int32_t ordinal, int rank, const GroupInfo& g,
+                  uint64_t epoch, const Shapes& s, std::optional<std::string> pending) {
+  if (DebugEnabled()) {
+    std::fprintf(stderr, "[jaxflux] GPU %d rank %d channel %d: matmul_reduce_scatter epoch %llu, "
+                 "batch %zu, M=%zu N=%zu K=%zu\n", ordinal, rank, g.channel,
+                 static_cast<unsigned long long>(epoch), s.batch, s.rows, s.n, s.k);
+  }
+  if (SyncErrors()) {
+    JAXFLUX_CUDA(cudaStreamSynchronize(stream));
+    if (!pending) pending = TakeDeviceErrorMessage();
+  }
+  if (pending) return ffi::Error::Internal(*pending);
+  return ffi::Error::Success();
+}
+
+// The `reduce` attribute (matmul_reduce_scatter.REDUCE_MODES).
+enum class ReduceMode : int64_t { kChoose = 0, kPass = 1, kEpilogue = 2 };
+
+// Whether the own-rows GEMM reduces in its epilogue (tp = 2) rather than in a separate pass.
+// The epilogue saves the pass (it reads both partials and writes the output: ~partial/0.8 TB/s),
+// but its first wave of tiles waits for the whole peer partial, pushed over NVLink (~0.38 TB/s)
+// after the peer-rows GEMM; the push beyond one wave of 128x256 tiles (~47 us per 4096 of K on
+// an H200) stalls the GEMM. The epilogue wins when that stall is shorter than the pass, with a
+// margin: partial bytes <= kEpilogueBytesPerK * K. Measured crossover (2xH200, the four
+// benchmark shapes at M = 1024..8192, benchmarks/README.md): it picks the faster mode in all
+// 16 cases but one within 0.5%. JAXFLUX_GEMM_RS_REDUCE=pass|epilogue overrides (measurement).
+constexpr size_t kEpilogueBytesPerK = 6144;
+
+bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k) {
+  static const int forced = [] {  // 0: choose, 1: pass, 2: epilogue
+    const char* env = std::getenv("JAXFLUX_GEMM_RS_REDUCE");
+    if (env == nullptr) return 0;
+    const std::string v(env);
+    return v == "pass" ? 1 : v == "epilogue" ? 2 : 0;
+  }();
+  const auto chosen = static_cast<ReduceMode>(mode != 0 ? mode : forced);
+  switch (chosen) {
+    case ReduceMode::kPass:
+      return false;
+    case ReduceMode::kEpilogue:
+      return tp == 2;
+    default:
+      return tp == 2 && partial_bytes <= kEpilogueBytesPerK * k;
+  }
+}
+
 ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator scratch,
                   RankState* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
                   ffi::Buffer<ffi::S32> rank_info, ffi::Result<ffi::AnyBuffer> z, int64_t tp,
-                  int64_t num_groups, int64_t site, int64_t generation, int64_t debug_skip_rank) {
+                  int64_t num_groups, int64_t site, int64_t generation, int64_t debug_skip_rank,
+                  int64_t reduce_mode) {
   Shapes s;
   if (ffi::Error e = CheckInputs(x, w, rank_info, *z, tp, &s); e.failure()) return e;
+  if (reduce_mode < 0 || reduce_mode > 2 ||
+      (static_cast<ReduceMode>(reduce_mode) == ReduceMode::kEpilogue && tp != 2)) {
+    return ffi::Error::InvalidArgument("jaxflux matmul_reduce_scatter: reduce must be 0 "
+                                       "(choose), 1 (pass) or 2 (epilogue, tp = 2 only)");
+  }
   GroupInfo g;
   if (ffi::Error e = ResolveGroup("matmul_reduce_scatter", stream, ordinal, state,
                                   rank_info, site, tp, num_groups, &g);
@@ -141,6 +204,10 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     return group.arenas[device_rank] + parity_offset + static_cast<size_t>(source) * slot_bytes;
   };
   char* stage_base = my_arena + parity_offset + static_cast<size_t>(tp) * slot_bytes;
+  const char* x_base = static_cast<const char*>(x.untyped_data());
+  auto x_base_of = [&](int owner) {  // owner's rows of the first batch entry of x
+    return x_base + static_cast<size_t>(owner) * s.m * s.k * s.elem;
+  };
 
   // Owner p's rows of every batch entry, as one batched GEMM into a contiguous [b, m, N] slot.
   GemmProblem problem{};
@@ -152,19 +219,47 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   problem.batch = static_cast<int>(s.batch);
   problem.batch_stride_a = static_cast<int64_t>(s.rows * s.k);
   problem.batch_stride_d = static_cast<int64_t>(s.m * s.n);
+  const bool epilogue_reduce = EpilogueReduce(tp, reduce_mode, partial_bytes, s.k);
+  const int peer = (rank + 1) % static_cast<int>(tp);  // the only peer when epilogue_reduce
+  RsGemmProblem own{};  // the own rows with the reduction in the epilogue (tp = 2)
+  if (epilogue_reduce) {
+    own.gemm = problem;
+    own.gemm.a = x_base_of(rank);
+    own.gemm.d = z->untyped_data();
+    own.c = recv(rank, peer);
+    AgGemmWait& wait = own.wait;
+    wait = WaitOfThisRank(g, ordinal, epoch, rank_info.typed_data());
+    wait.flags[0] = res->ready_flags + flag_index + g.peers[peer];
+    wait.flag_base = flag_value - 1;  // one chunk: landed once the flag reaches flag_value
+    wait.rows_per_shard = static_cast<int>(s.m);
+    wait.chunk_rows = static_cast<int>(s.m);
+    wait.tp = 1;
+    wait.op = static_cast<int32_t>(OpCode::kMatmulReduceScatter);
+    wait.source_ranks[0] = peer;
+    wait.epilogue_load_only = 1;
+  }
   void* gemm_workspace = nullptr;
-  if (const size_t bytes = GemmSm90WorkspaceBytes(s.dtype, problem); bytes > 0) {
+  if (const size_t bytes = std::max(GemmSm90WorkspaceBytes(s.dtype, problem),
+                                     epilogue_reduce ? RsGemmSm90WorkspaceBytes(s.dtype, own)
+                                                     : size_t{0});
+      bytes > 0) {
     auto allocation = scratch.Allocate(bytes, 256);
     if (!allocation.has_value()) {
       return Fail("could not allocate " + std::to_string(bytes) + " bytes of GEMM scratch");
     }
     gemm_workspace = *allocation;
   }
-  const char* x_base = static_cast<const char*>(x.untyped_data());
   const bool skip = debug_skip_rank == rank;  // test hook: this rank never signals its peers
   for (int i = 1; i <= tp; ++i) {
     const int p = (rank + i) % tp;  // peers first (they wait for us), own rows last
-    problem.a = x_base + static_cast<size_t>(p) * s.m * s.k * s.elem;
+    if (p == rank && epilogue_reduce) {
+      if (const char* failure = RsGemmSm90(s.dtype, own, gemm_workspace, stream)) {
+        return Fail(failure);
+      }
+      JAXFLUX_CUDA(cudaGetLastError());
+      break;
+    }
+    problem.a = x_base_of(p);
     problem.d = p == rank ? recv(rank, rank) : stage_base + static_cast<size_t>(p) * slot_bytes;
     if (const char* failure = GemmSm90(s.dtype, problem, gemm_workspace, stream)) {
       return Fail(failure);
@@ -181,45 +276,37 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     }
   }
 
-  WaitReduceParams reduce{};
-  reduce.tp = static_cast<int32_t>(tp);
-  for (int r = 0; r < tp; ++r) {
-    reduce.partials[r] = recv(rank, r);
-    reduce.flags[r] = r == rank ? nullptr : res->ready_flags + flag_index + g.peers[r];
+  if (!epilogue_reduce) {
+    WaitReduceParams reduce{};
+    reduce.tp = static_cast<int32_t>(tp);
+    for (int r = 0; r < tp; ++r) {
+      reduce.partials[r] = recv(rank, r);
+      reduce.flags[r] = r == rank ? nullptr : res->ready_flags + flag_index + g.peers[r];
+    }
+    reduce.target = flag_value;
+    reduce.out = z->untyped_data();
+    reduce.count = s.batch * s.m * s.n;
+    reduce.dtype = s.dtype == GemmDtype::kF16 ? ReduceDtype::kF16 : ReduceDtype::kBF16;
+    reduce.timeout_ns = TimeoutNs();
+    reduce.epoch = epoch;
+    reduce.device = ordinal;
+    reduce.rank = rank;
+    reduce.op = static_cast<int32_t>(OpCode::kMatmulReduceScatter);
+    reduce.error = DeviceErrorRecordPtr();
+    JAXFLUX_CUDA(LaunchWaitReduce(reduce, 2 * std::max(res->sm_count, 1), stream));
   }
-  reduce.target = flag_value;
-  reduce.out = z->untyped_data();
-  reduce.count = s.batch * s.m * s.n;
-  reduce.dtype = s.dtype == GemmDtype::kF16 ? ReduceDtype::kF16 : ReduceDtype::kBF16;
-  reduce.timeout_ns = TimeoutNs();
-  reduce.epoch = epoch;
-  reduce.device = ordinal;
-  reduce.rank = rank;
-  reduce.op = static_cast<int32_t>(OpCode::kMatmulReduceScatter);
-  reduce.error = DeviceErrorRecordPtr();
-  JAXFLUX_CUDA(LaunchWaitReduce(reduce, 2 * std::max(res->sm_count, 1), stream));
   JAXFLUX_CUDA(cudaEventRecord(res->join, res->side));
   JAXFLUX_CUDA(cudaStreamWaitEvent(stream, res->join, 0));
-
-  if (DebugEnabled()) {
-    std::fprintf(stderr, "[jaxflux] GPU %d rank %d channel %d: matmul_reduce_scatter epoch %llu, "
-                 "batch %zu, M=%zu N=%zu K=%zu\n", ordinal, rank, g.channel,
-                 static_cast<unsigned long long>(epoch), s.batch, s.rows, s.n, s.k);
-  }
-  if (SyncErrors()) {
-    JAXFLUX_CUDA(cudaStreamSynchronize(stream));
-    if (!pending) pending = TakeDeviceErrorMessage();
-  }
-  if (pending) return ffi::Error::Internal(*pending);
-  return ffi::Error::Success();
+  return Finish(stream, ordinal, rank, g, epoch, s, std::move(pending));
 }
 
 ffi::Error GemmRsSiteCached(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator scratch,
                             ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank_info,
                             ffi::Result<ffi::AnyBuffer> z, int64_t tp, int64_t num_groups,
-                            int64_t site, int64_t generation, int64_t debug_skip_rank) {
+                            int64_t site, int64_t generation, int64_t debug_skip_rank,
+                            int64_t reduce_mode) {
   return GemmRs(stream, ordinal, std::move(scratch), nullptr, x, w, rank_info, z, tp, num_groups,
-                site, generation, debug_skip_rank);
+                site, generation, debug_skip_rank, reduce_mode);
 }
 
 }  // namespace
@@ -239,7 +326,8 @@ ffi::Error GemmRsSiteCached(cudaStream_t stream, int32_t ordinal, ffi::ScratchAl
       .Attr<int64_t>("num_groups")                                                     \
       .Attr<int64_t>("site")                                                           \
       .Attr<int64_t>("generation")                                                     \
-      .Attr<int64_t>("debug_skip_rank")
+      .Attr<int64_t>("debug_skip_rank")                                                \
+      .Attr<int64_t>("reduce")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxGemmRsExecute, jaxflux::GemmRs,
                               JAXFLUX_GEMM_RS_BINDING(

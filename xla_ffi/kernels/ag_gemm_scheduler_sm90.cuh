@@ -95,57 +95,80 @@ class AgGemmScheduler : public cutlass::gemm::kernel::detail::PersistentTileSche
     return fetch_next_work(info);
   }
 
+  // CUTLASS's epilogue hook, asked with each tile right before its C is loaded (by the producer
+  // warp that loads C) and before its D is stored (by the consumers). With epilogue_load_only,
+  // the C-load warp waits here rather than when it fetches the tile: the first fetch happens
+  // before the kernel's register reallocation (setmaxnreg), which the consumers' own must wait
+  // for, so a wait there would hold back the mainloop's math as well.
+  CUTLASS_HOST_DEVICE static bool compute_epilogue(WorkTileInfo const& work, Params const& params) {
+#if defined(__CUDA_ARCH__)
+    if (params.wait_for_flags && params.wait.epilogue_load_only &&
+        threadIdx.x / 32 == kEpilogueLoadWarp) {
+      WaitForRows(params.wait, params.total_rows, work.M_idx * kTileM);
+    }
+#endif
+    return true;
+  }
+
  private:
   CUTLASS_DEVICE WorkTileInfo Prepare(WorkTileInfo work) const {
     if (!work.is_valid()) return work;
     work.M_idx = (work.M_idx + tile_shift_) % tiles_m_;
-    if (wait_for_flags_) WaitForRows(work.M_idx * kTileM);
+    // The producer warp group waits before it loads the tile's A (AllGather+GEMM); with
+    // epilogue_load_only the wait is compute_epilogue's.
+    if (wait_for_flags_ && !wait_.epilogue_load_only && threadIdx.x < kProducerThreads) {
+      WaitForRows(wait_, total_rows_, work.M_idx * kTileM);
+    }
     return work;
   }
 
-  // Threads [0, 128) are the producer warp group of CUTLASS's sm90 warp-specialized kernels.
+  // Threads [0, 128) are the producer warp group of CUTLASS's sm90 warp-specialized kernels;
+  // its warp 2 loads the epilogue's source C (ProducerWarpRole::Epilogue of the cooperative
+  // kernel, the only one the fused GEMM+ReduceScatter instantiates with a C).
   static constexpr int kProducerThreads = 128;
+  static constexpr int kEpilogueLoadWarp = 2;
 
-  // Waits for the chunks behind rows [row0, row0 + kTileM) of A.
-  CUTLASS_DEVICE void WaitForRows(int row0) const {
-    if (threadIdx.x >= kProducerThreads) return;
-    const int end = min(row0 + kTileM, total_rows_);
-    const int m = wait_.rows_per_shard;
+  // Waits (the calling warp) for the chunks behind rows [row0, row0 + kTileM) of A, or of C.
+  CUTLASS_DEVICE static void WaitForRows(AgGemmWait const& w, int total_rows, int row0) {
+    const int end = min(row0 + kTileM, total_rows);
+    const int m = w.rows_per_shard;
     for (int row = row0; row < end;) {
-      const int in_batch = row % (wait_.tp * m);
+      const int in_batch = row % (w.tp * m);
       const int source = in_batch / m;
       const int local = in_batch % m;
-      const int chunk = local / wait_.chunk_rows;
-      Wait(source, chunk);
-      row += min(m, (chunk + 1) * wait_.chunk_rows) - local;  // next chunk or shard boundary
+      const int chunk = local / w.chunk_rows;
+      Wait(w, source, chunk);
+      row += min(m, (chunk + 1) * w.chunk_rows) - local;  // next chunk or shard boundary
     }
     if (row0 < end) asm volatile("fence.proxy.async.global;" ::: "memory");
   }
 
-  CUTLASS_DEVICE void Wait(int source, int chunk) const {
+  CUTLASS_DEVICE static void Wait(AgGemmWait const& w, int source, int chunk) {
     const unsigned lanes = __activemask();
-    if ((threadIdx.x & 31) == __ffs(lanes) - 1) Poll(source, chunk);
+    if ((threadIdx.x & 31) == __ffs(lanes) - 1) Poll(w, source, chunk);
     __syncwarp(lanes);  // orders the other lanes after the leader's acquire
   }
 
-  CUTLASS_DEVICE void Poll(int source, int chunk) const {
-    const uint64_t* flag = wait_.flags[source];
-    const uint64_t target = wait_.flag_base + static_cast<uint64_t>(chunk) + 1;
+  CUTLASS_DEVICE static void Poll(AgGemmWait const& w, int source, int chunk) {
+    const uint64_t* flag = w.flags[source];
+    const uint64_t target = w.flag_base + static_cast<uint64_t>(chunk) + 1;
     uint64_t seen = device::LoadAcquireSys(flag);
     if (seen >= target) return;
     const uint64_t start = device::GlobalTimerNs();
     for (uint32_t spins = 1; seen < target; ++spins) {
       if ((spins & 63u) == 0) {
-        // Stop at once when any wait has already failed (the results are void anyway), so a
-        // dead peer costs one timeout, not one per tile.
-        if (wait_.error != nullptr && *reinterpret_cast<volatile int32_t*>(&wait_.error->ready)) {
+        // Stop soon after any wait has failed (the results are void anyway), so a dead peer
+        // costs one timeout, not one per tile. The record is host memory: read over PCIe by
+        // every spinning CTA, often, it slowed the peer's copy-engine push into this GPU 19x
+        // (a 64 MiB push took 3.3 ms, not 0.17: benchmarks/README.md), so only every 4096th.
+        if ((spins & 4095u) == 0 && w.error != nullptr &&
+            *reinterpret_cast<volatile int32_t*>(&w.error->ready)) {
           return;
         }
-        if (device::GlobalTimerNs() - start > wait_.timeout_ns) {
-          device::RecordError(wait_.error, ErrorKind::kTimeout,
-                              static_cast<int32_t>(OpCode::kAllGatherMatmul), wait_.device,
-                              wait_.rank, source, wait_.group, target, seen, wait_.epoch,
-                              wait_.timeout_ns);
+        if (device::GlobalTimerNs() - start > w.timeout_ns) {
+          device::RecordError(w.error, ErrorKind::kTimeout, w.op, w.device, w.rank,
+                              w.source_ranks[source], w.group, target, seen, w.epoch,
+                              w.timeout_ns);
           return;
         }
       }
@@ -161,8 +184,7 @@ class AgGemmScheduler : public cutlass::gemm::kernel::detail::PersistentTileSche
     const int32_t rank = wait_.rank_info[0];
     const int32_t group = wait_.rank_info[1];
     if (rank != wait_.rank || group != wait_.group) {
-      device::RecordError(wait_.error, ErrorKind::kRankMismatch,
-                          static_cast<int32_t>(OpCode::kAllGatherMatmul), wait_.device,
+      device::RecordError(wait_.error, ErrorKind::kRankMismatch, wait_.op, wait_.device,
                           wait_.rank, rank, group, 0, 0, wait_.epoch, 0);
     }
   }

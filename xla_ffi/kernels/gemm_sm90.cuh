@@ -38,8 +38,10 @@ struct TileConfig {
 using DefaultTiles = TileConfig<128, 256, 2, 1, false>;
 
 // SchedulerTag: void = CUTLASS's static persistent scheduler (GEMM-only op); the fused ops plug
-// in their own (ag_gemm_scheduler_sm90.cuh).
-template <class Element_, class SchedulerTag = void, class Tiles = DefaultTiles>
+// in their own (ag_gemm_scheduler_sm90.cuh). ElementC: void = no source operand (D = A·B);
+// Element = D = A·B + C (the fused GEMM+ReduceScatter's own rows, rs_gemm_sm90.cuh).
+template <class Element_, class SchedulerTag = void, class Tiles = DefaultTiles,
+          class ElementC = void>
 struct Config {
   using Element = Element_;
   using Layout = cutlass::layout::RowMajor;  // A [M,K], B [K,N] (N-major B), D [M,N]
@@ -47,10 +49,10 @@ struct Config {
   using Tile = typename Tiles::Tile;
   using Cluster = typename Tiles::Cluster;
 
-  // No C operand (ElementC = void): D = A·B, nothing read back.
+  // D = alpha·A·B + beta·C, fp32 math; with ElementC = void no C is read.
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, Layout, kAlign,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, Layout, kAlign,
       Element, Layout, kAlign, typename Tiles::EpilogueSchedule>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<

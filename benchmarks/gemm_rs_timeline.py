@@ -1,0 +1,73 @@
+"""The GPU timeline of the fused GEMM+ReduceScatter, once per reduction mode (2+ GPUs): every
+kernel and copy of a few back-to-back calls, per GPU and stream, from a jax.profiler trace.
+
+    python benchmarks/gemm_rs_timeline.py M K N OUTDIR [--modes pass,epilogue] [--calls 4]
+
+Prints `GPU  stream  start_us  duration_us  name` rows (start from the trace's first GPU event).
+It is how the epilogue mode's stall was found: the peer's push (MemcpyP2P) ran 19x slower while
+the own-rows GEMM spun on its flag (benchmarks/logs/gemm_rs_timeline_hostpoll_session5_*.log).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+# The module (jaxflux.ops re-exports the function under the same name).
+rs = importlib.import_module("jaxflux.ops.matmul_reduce_scatter")
+
+
+def gpu_events(trace_dir: pathlib.Path) -> list[tuple[str, str, float, float, str]]:
+  trace = sorted(trace_dir.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)[-1]
+  events = json.load(gzip.open(trace))["traceEvents"]
+  meta = [e for e in events if e.get("ph") == "M"]
+  processes = {e["pid"]: e["args"]["name"] for e in meta if e.get("name") == "process_name"}
+  threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta
+             if e.get("name") == "thread_name"}
+  gpu = [e for e in events if e.get("ph") == "X" and "GPU" in processes.get(e["pid"], "")]
+  t0 = min(e["ts"] for e in gpu)
+  return [(processes[e["pid"]], str(threads.get((e["pid"], e["tid"]), e["tid"])),
+           e["ts"] - t0, e["dur"], e["name"]) for e in sorted(gpu, key=lambda e: (e["pid"],
+                                                                              e["ts"]))]
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("M", type=int)
+  p.add_argument("K", type=int)
+  p.add_argument("N", type=int)
+  p.add_argument("outdir", type=pathlib.Path)
+  p.add_argument("--modes", default="pass,epilogue")
+  p.add_argument("--calls", type=int, default=4)
+  args = p.parse_args(argv)
+  mesh = Mesh(np.asarray(jax.devices()), ("tp",))
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (args.M, args.K), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(kw, (args.K, args.N), jnp.float32) / np.sqrt(args.K)).astype(
+      jnp.bfloat16)
+  for mode in args.modes.split(","):
+    f = jax.jit(jax.shard_map(lambda a, b, mode=mode: rs._fused(a, b, "tp", reduce=mode),
+                              mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
+                              out_specs=P("tp", None)))
+    for _ in range(3):  # compile and warm up outside the trace
+      f(x, w).block_until_ready()
+    trace_dir = args.outdir / f"trace_{mode}"
+    with jax.profiler.trace(str(trace_dir)):
+      for _ in range(args.calls):
+        out = f(x, w)
+      out.block_until_ready()
+    print(f"==== {mode}")
+    for gpu, stream, start, dur, name in gpu_events(trace_dir):
+      print(f"{gpu[:14]:14s} {stream[:22]:>22s} {start:10.1f} {dur:9.1f}  {name[:90]}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,26 @@
+// The part of a fused GEMM's tile wait (AgGemmWait) that says who is waiting and for how long,
+// shared by the AllGather+GEMM and GEMM+ReduceScatter handlers; each fills in what it waits for.
+#pragma once
+
+#include <cstdint>
+
+#include "xla_ffi/kernels/ag_gemm_sm90.h"
+#include "xla_ffi/runtime/runtime.h"
+#include "xla_ffi/runtime/signals.h"
+
+namespace jaxflux {
+
+inline AgGemmWait WaitOfThisRank(const GroupInfo& g, int32_t ordinal, uint64_t epoch,
+                                 const int32_t* rank_info) {
+  AgGemmWait wait{};
+  wait.rank = g.rank;
+  wait.group = g.group;
+  wait.device = ordinal;
+  wait.epoch = epoch;
+  wait.timeout_ns = TimeoutNs();
+  wait.rank_info = rank_info;  // checked against rank and group by the kernel
+  wait.error = DeviceErrorRecordPtr();
+  return wait;
+}
+
+}  // namespace jaxflux

@@ -1,0 +1,58 @@
+// The own-rows GEMM of the fused GEMM+ReduceScatter (rs_gemm_sm90.h): the sm90 GEMM of
+// gemm_sm90.cuh with a source operand C and the fused ops' tile scheduler, whose waits are
+// limited to the warp that loads C. One .cu per element type instantiates it.
+#pragma once
+
+#include "xla_ffi/kernels/ag_gemm_scheduler_sm90.cuh"
+#include "xla_ffi/kernels/gemm_sm90.cuh"
+#include "xla_ffi/kernels/rs_gemm_sm90.h"
+
+namespace jaxflux::rs_gemm_sm90 {
+
+// The default tile config (cooperative 128x256, 2x1 clusters): its producer warp 2 loads C,
+// which is what the scheduler's epilogue_load_only wait assumes.
+template <class Element>
+using Config =
+    gemm_sm90::Config<Element, AgGemmSchedulerTag, gemm_sm90::DefaultTiles, Element>;
+
+template <class Element>
+typename Config<Element>::Gemm::Arguments MakeArguments(const RsGemmProblem& p) {
+  using C = Config<Element>;
+  constexpr int kTileM = cute::get<0>(typename C::Tile{});
+  constexpr int kClusterM = cute::get<0>(typename C::Cluster{});
+  auto args = gemm_sm90::MakeArguments<C>(p.gemm);
+  args.epilogue.ptr_C = static_cast<const Element*>(p.c);
+  args.epilogue.thread.beta = 1.0f;  // D = A·B + C
+  auto& s = args.scheduler;  // CUTLASS's tile order; every tile waits on the same flag
+  s.wait = p.wait;
+  s.wait_for_flags = 1;
+  const int tiles = (p.gemm.m + kTileM - 1) / kTileM;
+  s.tiles_m = (tiles + kClusterM - 1) / kClusterM * kClusterM;
+  s.tile_shift = 0;
+  s.total_rows = p.gemm.m;
+  return args;
+}
+
+template <class Element>
+size_t WorkspaceBytes(const RsGemmProblem& p) {
+  return Config<Element>::Gemm::get_workspace_size(MakeArguments<Element>(p));
+}
+
+template <class Element>
+const char* Run(const RsGemmProblem& p, void* workspace, cudaStream_t stream) {
+  return gemm_sm90::Launch<Config<Element>>(MakeArguments<Element>(p), workspace, stream);
+}
+
+}  // namespace jaxflux::rs_gemm_sm90
+
+// Defines the entry points of one element type (listed in rs_gemm_sm90_dispatch.cu).
+#define JAXFLUX_RS_GEMM_INSTANCE(NAME, ELEMENT)                                              \
+  namespace jaxflux {                                                                        \
+  size_t RsGemmWorkspaceBytes_##NAME(const RsGemmProblem& problem) {                         \
+    return rs_gemm_sm90::WorkspaceBytes<ELEMENT>(problem);                                   \
+  }                                                                                          \
+  const char* RsGemmRun_##NAME(const RsGemmProblem& problem, void* workspace,                \
+                               cudaStream_t stream) {                                        \
+    return rs_gemm_sm90::Run<ELEMENT>(problem, workspace, stream);                           \
+  }                                                                                          \
+  }  // namespace jaxflux

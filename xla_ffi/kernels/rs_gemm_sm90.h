@@ -1,0 +1,31 @@
+// GEMM+ReduceScatter on Hopper at tp=2: the GEMM of this device's own output rows with the
+// reduction in its epilogue. D[M,N] = A[M,K] · B[K,N] + C[M,N], where C is the peer's partial
+// of these rows, which the peer's copy engine is still pushing here while the kernel runs.
+// Before the warp that loads C for an output tile loads it, it waits (bounded) on the flag the
+// peer writes once the partial has landed; the mainloop never waits (A and B are local), so the
+// wait overlaps the tile's math. Plain C++ interface: the FFI handler never sees CUTLASS.
+#pragma once
+
+#include <cstddef>
+
+#include <cuda_runtime_api.h>
+
+#include "xla_ffi/kernels/ag_gemm_sm90.h"
+
+namespace jaxflux {
+
+struct RsGemmProblem {
+  GemmProblem gemm;  // a = this device's rows of x, b = w, d = the output z (batched: L mode)
+  const void* c;     // the peer's partial of the same rows, laid out like d
+  // One source (tp = 1; source_ranks[0] = the peer), one chunk (rows_per_shard = chunk_rows =
+  // rows per batch entry), epilogue_load_only = 1; op = kMatmulReduceScatter.
+  AgGemmWait wait;
+};
+
+size_t RsGemmSm90WorkspaceBytes(GemmDtype dtype, const RsGemmProblem& problem);
+
+// Launches on `stream`. Returns a static string describing the failure, or nullptr.
+const char* RsGemmSm90(GemmDtype dtype, const RsGemmProblem& problem, void* workspace,
+                       cudaStream_t stream);
+
+}  // namespace jaxflux
