@@ -17,7 +17,7 @@ from conftest import make_mesh
 @pytest.fixture
 def fake_gpu(monkeypatch):
   """Tracing as if a CUDA build and GPUs were present (the FFI target is never lowered)."""
-  monkeypatch.setattr(_common, "platform_reason", lambda: None)
+  monkeypatch.setattr(_common, "platform_reason", lambda axis_name=None: None)
   monkeypatch.setattr(_runtime, "ensure_workspace", lambda nbytes: 0)
   monkeypatch.setattr(_runtime, "target_name", lambda op: f"jaxflux_{op}")
 

@@ -113,9 +113,58 @@ def test_a_peer_that_never_publishes_fails_with_a_clear_error(process1_of_2):
 def test_multi_process_reasons():
   one_host = lambda: _runtime.HostSlots(0, {0: 0}, 2, {0: 0, 1: 0}, {0: 0, 1: 1})  # noqa: E731
   two_hosts = lambda: _runtime.HostSlots(0, {0: 0}, 1, {0: 0, 1: 1}, {0: 0, 1: 0})  # noqa: E731
-  assert _common.multi_process_reason(1, one_host) is None
-  assert "one GPU per process; this process drives 2" in _common.multi_process_reason(2, one_host)
-  assert "spans 2 hosts" in _common.multi_process_reason(1, two_hosts)
+  assert _common.multi_process_reason(1, one_host, "tp") is None
+  assert "one GPU per process; this process drives 2" in _common.multi_process_reason(
+      2, one_host, "tp")
+  # Two hosts: a local op (no axis) is fine; a communicating one needs the concrete mesh.
+  assert _common.multi_process_reason(1, two_hosts) is None
+  assert "spans 2 hosts" in _common.multi_process_reason(1, two_hosts, "tp")
+  assert "jax.set_mesh" in _common.multi_process_reason(1, two_hosts, "tp")
+
+
+class FakeProcessDevice:
+  def __init__(self, device_id, process_index):
+    self.id, self.process_index = device_id, process_index
+
+
+class FakeMesh:
+  """What the host check reads of a concrete mesh: devices, axis_names, shape."""
+  def __init__(self, devices, names):
+    import numpy as np
+    self.devices = np.asarray(devices, dtype=object)
+    self.axis_names = names
+    self.shape = dict(zip(names, self.devices.shape))
+
+
+def test_multi_host_meshes_keep_each_tp_group_on_one_host():
+  """4 processes of one GPU each, processes 0, 2 on host 0 and 1, 3 on host 1 (interleaved, so
+  device order alone does not give the hosts): a (dp, tp) mesh with one row per host runs fused;
+  one with tp across the hosts, or a tp axis over all four, is refused naming the hosts."""
+  four = lambda: _runtime.HostSlots(0, {0: 0}, 2, {0: 0, 1: 1, 2: 0, 3: 1},  # noqa: E731
+                                    {0: 0, 1: 0, 2: 1, 3: 1})
+  d = [FakeProcessDevice(i, i) for i in range(4)]
+  per_host_rows = FakeMesh([[d[0], d[2]], [d[1], d[3]]], ("dp", "tp"))
+  assert _common.multi_process_reason(1, four, "tp", per_host_rows) is None
+  # The same mesh seen along dp: each dp group pairs the two hosts.
+  assert "mesh axis 'dp' (size 2) spans 2 hosts" in _common.multi_process_reason(
+      1, four, "dp", per_host_rows)
+  across = FakeMesh([[d[0], d[1]], [d[2], d[3]]], ("dp", "tp"))
+  reason = _common.multi_process_reason(1, four, "tp", across)
+  assert "mesh axis 'tp' (size 2) spans 2 hosts in group 0 (host 0: devices [0]; host 1: " \
+         "devices [1])" in reason and "impl='xla'" in reason
+  assert "spans 2 hosts" in _common.multi_process_reason(1, four, "tp", FakeMesh(d, ("tp",)))
+  # A mesh without the axis: the check can't be made, so the reason says how to give the mesh.
+  assert "jax.set_mesh" in _common.multi_process_reason(1, four, "tp", FakeMesh(d, ("x",)))
+
+
+def test_host_check_on_a_real_mesh():
+  """The same check on a jax Mesh of 8 CPU devices with 'hosts' of 4 consecutive device ids."""
+  from conftest import make_mesh
+  host_of = lambda device: device.id // 4  # noqa: E731
+  assert _common.axis_hosts_reason(make_mesh((2, 4), ("dp", "tp")), "tp", host_of) is None
+  assert "spans 2 hosts" in _common.axis_hosts_reason(make_mesh((4, 2), ("tp", "dp")), "tp",
+                                                      host_of)
+  assert "spans 2 hosts" in _common.axis_hosts_reason(make_mesh((8,), ("tp",)), "tp", host_of)
 
 
 def test_rank_info_names_the_group_slots_under_set_mesh(monkeypatch):

@@ -84,10 +84,11 @@ def resolve_impl(op: str, impl: str, x, w, fused_supported, auto_prefers_fused=N
 def resolve_on_axis(op: str, impl: str, x, w, preferred_element_type, axis_name,
                     unsupported_reason, auto_prefers_fused) -> str:
   """resolve_impl for an op inside shard_map: `unsupported_reason(x, w, preferred_element_type,
-  tp)` and `auto_prefers_fused(x, w, tp)` are the op's own rules, given the axis size."""
+  tp, axis_name)` and `auto_prefers_fused(x, w, tp)` are the op's own rules, given the axis."""
   tp = lax.axis_size(axis_name)
   return resolve_impl(
-      op, impl, x, w, lambda x, w: unsupported_reason(x, w, preferred_element_type, tp),
+      op, impl, x, w,
+      lambda x, w: unsupported_reason(x, w, preferred_element_type, tp, axis_name),
       auto_prefers_fused=lambda x, w: auto_prefers_fused(x, w, tp))
 
 
@@ -104,31 +105,63 @@ def _fused_dtype_error(op: str, x, w) -> str | None:
   return None
 
 
-def platform_reason() -> str | None:
-  """Why no fused GPU kernel can run in this process at all, or None."""
+def platform_reason(axis_name: str | None = None) -> str | None:
+  """Why no fused GPU kernel can run in this process (for a communicating op: over the mesh
+  axis `axis_name`), or None."""
   if not _runtime.cuda_built():
     return ("this jaxflux build has no CUDA kernels (installed without nvcc, or with "
             "JAXFLUX_CUDA=OFF); reinstall on a machine with the CUDA toolkit.")
   if not _runtime.has_cuda():
     return "no CUDA GPU is visible to JAX (jax.local_devices(backend='gpu') is empty)."
   if _runtime.multi_process():
-    return multi_process_reason(len(_runtime.local_gpus()), _runtime.host_slots)
+    return multi_process_reason(len(_runtime.local_gpus()), _runtime.host_slots, axis_name)
   return None
 
 
-def multi_process_reason(local_gpus: int, host_slots) -> str | None:
-  """Under jax.distributed: why the fused kernels can't run across these processes, or None.
-  `host_slots()` agrees the host slots with the other processes (a key-value exchange), so it
-  is only called once the cheap checks pass."""
+def multi_process_reason(local_gpus: int, host_slots, axis_name: str | None = None,
+                         mesh=None) -> str | None:
+  """Under jax.distributed: why the fused kernels can't run across these processes (over mesh
+  axis `axis_name`; None for a local op), or None. `host_slots()` agrees the host slots with
+  the other processes (a key-value exchange), so it is only called once the cheap checks pass.
+  `mesh`: the concrete mesh (default: the one of jax.set_mesh, if any)."""
   if local_gpus != 1:
     return (f"under jax.distributed the fused kernels need one GPU per process; this process "
             f"drives {local_gpus}. Start one process per GPU (examples/launch_multiprocess.py), "
             "or one process for all GPUs of a host.")
-  hosts = set(host_slots().host_of_process.values())
-  if len(hosts) > 1:
-    return (f"this jax.distributed job spans {len(hosts)} hosts, and checking at trace time "
-            "that a tp axis stays inside one host is not built yet (the kernels need the tp "
-            "group on one host's NVLink); the XLA path serves multi-host jobs.")
+  if axis_name is None:
+    return None
+  slots = host_slots()
+  num_hosts = len(set(slots.host_of_process.values()))
+  if num_hosts == 1:
+    return None
+  if mesh is None:
+    from jaxflux.ops import all_gather  # noqa: PLC0415 (all_gather imports this module)
+    mesh = all_gather.concrete_mesh()
+  if mesh is None or axis_name not in mesh.axis_names:
+    return (f"this jax.distributed job spans {num_hosts} hosts, and the fused kernels need "
+            f"every group along mesh axis {axis_name!r} on one host's NVLink; jaxflux checks "
+            "that at trace time from the concrete mesh, which shard_map(mesh=...) alone does "
+            "not show. Run the jitted function under `with jax.set_mesh(mesh):`.")
+  return axis_hosts_reason(mesh, axis_name, lambda d: slots.host_of_process[d.process_index])
+
+
+def axis_hosts_reason(mesh, axis_name: str, host_of_device) -> str | None:
+  """Why the groups along `axis_name` of a concrete mesh don't each sit on one host, or None.
+  `host_of_device(device) -> host index`."""
+  from jaxflux.ops import all_gather  # noqa: PLC0415 (all_gather imports this module)
+  by_id = {d.id: d for d in mesh.devices.flat}
+  hosts_of_group: dict[int, dict[int, list[int]]] = {}
+  for device_id, (_, group) in all_gather.expected_rank_info(mesh, axis_name).items():
+    host = host_of_device(by_id[device_id])
+    hosts_of_group.setdefault(group, {}).setdefault(host, []).append(device_id)
+  for group, hosts in sorted(hosts_of_group.items()):
+    if len(hosts) > 1:
+      where = "; ".join(f"host {h}: devices {sorted(ids)}" for h, ids in sorted(hosts.items()))
+      return (f"mesh axis {axis_name!r} (size {mesh.shape[axis_name]}) spans {len(hosts)} "
+              f"hosts in group {group} ({where}); the fused kernels need each group along "
+              f"{axis_name!r} on one host's NVLink. Order the mesh's devices so that the "
+              f"{axis_name!r} axis runs over GPUs of one host (e.g. a ('dp', {axis_name!r}) "
+              "mesh with one row per host), or use impl='xla'.")
   return None
 
 

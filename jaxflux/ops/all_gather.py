@@ -91,7 +91,7 @@ def _group_slot_words(axis_name: str, group, num_groups: int) -> jax.Array:
   program, which a dead peer leaves hanging (NCCL has no timeout), unlike jaxflux's own waits.
   """
   tp = lax.axis_size(axis_name)
-  mesh = _concrete_mesh()
+  mesh = concrete_mesh()
   if mesh is not None and axis_name in mesh.axis_names:
     table = slot_word_table(mesh, axis_name, num_groups, _runtime.host_slots().slot_word)
     return jnp.asarray(table)[group]
@@ -104,7 +104,7 @@ def _group_slot_words(axis_name: str, group, num_groups: int) -> jax.Array:
   return words
 
 
-def _concrete_mesh():
+def concrete_mesh():
   """The mesh of `jax.set_mesh`, if any (shard_map's own mesh= argument is not visible here)."""
   try:
     from jax._src import mesh as mesh_lib
@@ -158,7 +158,7 @@ def all_gather(x, axis_name: str, *, impl: str = "fused", _debug_skip_signal_ran
   tp = _common.axis_size("all_gather", axis_name)
   if tp == 1:
     return x
-  reason = _common.platform_reason()
+  reason = _common.platform_reason(axis_name)
   if reason is not None:
     raise _common.FusedKernelUnavailableError(f"all_gather(impl='fused'): {reason} Use "
                                               "impl='xla'.")

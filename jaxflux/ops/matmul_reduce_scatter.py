@@ -57,9 +57,10 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, impl: str = "auto",
                                 _common.static_dtype(preferred_element_type), precision)
 
 
-def _fused_unsupported_reason(x, w, preferred_element_type, tp: int) -> str | None:
+def _fused_unsupported_reason(x, w, preferred_element_type, tp: int,
+                              axis_name: str) -> str | None:
   """Why the fused GEMM+ReduceScatter kernel cannot run on these operands here, or None."""
-  reason = _common.platform_reason()
+  reason = _common.platform_reason(axis_name)
   if reason is not None:
     return reason
   return _common.fused_operand_reason(x, w, preferred_element_type, tp)
