@@ -71,3 +71,14 @@ def load_script(path, name: str):
   sys.modules[name] = module  # dataclasses (flax modules) resolve annotations through it
   spec.loader.exec_module(module)
   return module
+
+
+def write_trace(directory, events: list) -> None:
+  """A jax.profiler-style trace (`plugins/profile/<run>/*.trace.json.gz`) under `directory`."""
+  import gzip
+  import json
+
+  trace = directory / "plugins" / "profile" / "run" / "host.trace.json.gz"
+  trace.parent.mkdir(parents=True)
+  with gzip.open(trace, "wt") as f:
+    json.dump({"traceEvents": events}, f)

@@ -1,12 +1,11 @@
 """benchmarks/profile_summary.py on a synthetic trace: per-GPU span, busy time (overlap counted
 once), category and kernel totals."""
-import gzip
 import json
 import pathlib
 
 import pytest
 
-from conftest import load_script
+from conftest import load_script, write_trace
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "profile_summary.py"
 
@@ -31,10 +30,7 @@ def test_summary_of_a_two_stream_gpu(summary, tmp_path, capsys):
       {"ph": "X", "pid": 1, "tid": 1, "ts": 130, "dur": 5, "name": "sm90_xmma_gemm_bf16"},
       {"ph": "X", "pid": 2, "tid": 3, "ts": 0, "dur": 999, "name": "python"},  # host: ignored
   ]
-  trace = tmp_path / "plugins" / "profile" / "run" / "host.trace.json.gz"
-  trace.parent.mkdir(parents=True)
-  with gzip.open(trace, "wt") as f:
-    json.dump({"traceEvents": events}, f)
+  write_trace(tmp_path, events)
   result = summary.main([str(tmp_path), "--out", str(tmp_path / "s.json")])
   gpu = result["/device:GPU:0"]
   assert gpu["span_us"] == 135 and gpu["busy_us"] == 115
