@@ -4,7 +4,7 @@ kernel and copy of a few back-to-back calls, per GPU and stream, from a jax.prof
     python benchmarks/gemm_rs_timeline.py M K N OUTDIR [--modes pass,epilogue] [--calls 4]
 
 Prints `GPU  stream  start_us  duration_us  name` rows (start from the trace's first GPU event).
-It is how the epilogue mode's stall was found: the peer's push (MemcpyP2P) ran 19x slower while
+It is how the epilogue mode's stall was found: the peer's push (MemcpyP2P) ran 19-24x slower while
 the own-rows GEMM spun on its flag (benchmarks/logs/gemm_rs_timeline_hostpoll_session5_*.log).
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import gzip
 import importlib
 import json
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,11 +24,13 @@ from jax.sharding import PartitionSpec as P
 
 # The module (jaxflux.ops re-exports the function under the same name).
 rs = importlib.import_module("jaxflux.ops.matmul_reduce_scatter")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from profile_summary import newest_trace  # noqa: E402 (beside this script, not a package)
 
 
 def gpu_events(trace_dir: pathlib.Path) -> list[tuple[str, str, float, float, str]]:
-  trace = sorted(trace_dir.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)[-1]
-  events = json.load(gzip.open(trace))["traceEvents"]
+  with gzip.open(newest_trace(trace_dir)) as f:
+    events = json.load(f)["traceEvents"]
   meta = [e for e in events if e.get("ph") == "M"]
   processes = {e["pid"]: e["args"]["name"] for e in meta if e.get("name") == "process_name"}
   threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta

@@ -74,8 +74,9 @@ def test_odd_shapes_and_batch_dims(dtype, rows_per_rank, K, N, batch):
     (7, 96, 40, (2, 3)),      # batch dims: the epilogue's C is batched like the output
 ])
 def test_both_reduction_modes_match_float32_reference(reduce, rows_per_rank, K, N, batch):
-  """At tp=2 the kernel sums in the own-rows GEMM's epilogue by default; the separate pass is
-  kept for tp > 2 (and as a measurement knob): both against the reference, and each other."""
+  """At tp=2 the kernel sums either in the own-rows GEMM's epilogue or in a separate pass (its
+  rule picks per shape; tp > 2 always passes): each forced mode against the reference, and the
+  default's choice against it."""
   mesh = gpu_mesh()
   tp = mesh.shape["tp"]
   if reduce == "epilogue" and tp != 2:
@@ -176,7 +177,8 @@ def test_compiled_hlo_has_the_custom_call_and_no_reduce_scatter():
   assert _hlo.count_collectives(text).get("reduce-scatter", 0) == 0
 
 
-@pytest.mark.parametrize("reduce", ["pass", None])  # None: the epilogue reduction at tp=2
+# None: the kernel's choice, the epilogue reduction at tp=2 for this small partial.
+@pytest.mark.parametrize("reduce", ["pass", None])
 def test_a_peer_that_never_signals_times_out_instead_of_hanging(reduce):
   mesh = gpu_mesh()
   tp = mesh.shape["tp"]

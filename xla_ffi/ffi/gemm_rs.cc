@@ -12,11 +12,11 @@
 //     kernel that waits (bounded) for every peer's flag and sums recv[0..tp) in rank order with
 //     fp32 accumulation into z; then a join with the side stream (stage[] must not be rewritten
 //     before its copy is done).
-//   At tp=2 the own-rows GEMM does the reduction instead (rs_gemm_sm90.h): z = x_r · w + recv[p]
-//     in its epilogue, whose C loads wait (bounded) for the peer's flag while the mainloop runs;
-//     no reduction pass, and the own partial is never rounded to 16 bits on its own.
-//     The `reduce` attribute (or JAXFLUX_GEMM_RS_REDUCE=pass, a measurement knob) keeps the
-//     separate pass.
+//   At tp=2 the own-rows GEMM can do the reduction instead (rs_gemm_sm90.h): z = x_r · w +
+//     recv[p] in its epilogue, whose C loads wait (bounded) for the peer's flag while the
+//     mainloop runs; no reduction pass, and the own partial is never rounded to 16 bits on its
+//     own. EpilogueReduce (below) chooses it where measured faster; the `reduce` attribute and
+//     JAXFLUX_GEMM_RS_REDUCE=pass|epilogue force a mode.
 // Slot reuse: a peer writes recv[.][e%2] again at e+2 only after its own reduction of e+1, which
 // waited for our flag of e+1, released after our reduction of e had run on our stream (with the
 // epilogue reduction: after our own-rows GEMM of e, which precedes our push of e+1 in stream

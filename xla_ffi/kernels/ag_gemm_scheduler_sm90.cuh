@@ -159,8 +159,8 @@ class AgGemmScheduler : public cutlass::gemm::kernel::detail::PersistentTileSche
       if ((spins & 63u) == 0) {
         // Stop soon after any wait has failed (the results are void anyway), so a dead peer
         // costs one timeout, not one per tile. The record is host memory: read over PCIe by
-        // every spinning CTA, often, it slowed the peer's copy-engine push into this GPU 19x
-        // (a 64 MiB push took 3.3 ms, not 0.17: benchmarks/README.md), so only every 4096th.
+        // every spinning CTA, often, it slowed the peer's copy-engine push into this GPU 19-24x
+        // (a 64 MiB push took 3.2-4.2 ms, not 0.17: benchmarks/README.md), so only every 4096th.
         if ((spins & 4095u) == 0 && w.error != nullptr &&
             *reinterpret_cast<volatile int32_t*>(&w.error->ready)) {
           return;
