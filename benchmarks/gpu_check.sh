@@ -16,11 +16,13 @@
 #   trainshapes  the training step's GEMM shapes: AG+GEMM per tile config, GEMM+RS (~5 min)
 #   processes issue 6: both fused ops timed by one process and by one process per GPU, compared
 #             (~4 min)
+#   kmajor    the fused ops with the weight given transposed (the backward's way, read K-major):
+#             their GPU tests, then 60 training steps of issue 7's jaxflux and xla modes (~8 min)
 # Needs .whl/ with the CUTLASS wheel (pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0),
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
-STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes}
+STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLUX_CUDA=ON
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
@@ -124,5 +126,13 @@ if stage processes; then
       "$OUTDIR/${op}_process_per_gpu.json" --variants xla | tail -n +2 || status=1
   done
 fi
+if stage kmajor; then
+  timeout 240 python3 -m pytest -q -rs -m gpu tests/test_ag_gemm_gpu.py tests/test_gemm_rs_gpu.py \
+    -k "transposed or gradients" -p no:cacheprovider -o faulthandler_timeout=90 \
+    > "$OUTDIR/kmajor_tests.log" 2>&1 || status=1
+  tail -5 "$OUTDIR/kmajor_tests.log"
+  MODES="jaxflux xla" MODE_TIMEOUT_S=170 bash benchmarks/train_modes.sh "$OUTDIR" 60 || status=1
+fi
+
 echo "end at $(( $(date +%s) - T0 )) s, status $status"
 exit $status

@@ -61,10 +61,11 @@ ffi::Error Fail(const std::string& what) { return OpError(kOp, what); }
 struct Shapes {
   size_t batch = 0, rows = 0, m = 0, k = 0, n = 0, elem = 0;  // rows = M, m = M / tp
   GemmDtype dtype = GemmDtype::kBF16;
+  bool w_kmajor = false;  // w holds the weight transposed, [N, K] (transpose_w)
 };
 
 ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank_info,
-                       ffi::AnyBuffer z, int64_t tp, Shapes* s) {
+                       ffi::AnyBuffer z, int64_t tp, int64_t transpose_w, Shapes* s) {
   auto invalid = [](const std::string& what) {
     return ffi::Error::InvalidArgument("jaxflux matmul_reduce_scatter: " + what);
   };
@@ -77,15 +78,17 @@ ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32>
   }
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() < 2 || wd.size() != 2 || xd.back() != wd[0]) {
-    return invalid("expected x [..., M, K] and w [K, N]");
+  s->w_kmajor = transpose_w != 0;
+  const int k_dim = s->w_kmajor ? 1 : 0;
+  if (xd.size() < 2 || wd.size() != 2 || xd.back() != wd[k_dim]) {
+    return invalid("expected x [..., M, K] and w [K, N] (or [N, K] with transpose_w)");
   }
   if (tp < 2 || tp > kReduceMaxRanks) {
     return invalid("tp must be in 2.." + std::to_string(kReduceMaxRanks));
   }
   s->rows = static_cast<size_t>(xd[xd.size() - 2]);
-  s->k = static_cast<size_t>(wd[0]);
-  s->n = static_cast<size_t>(wd[1]);
+  s->k = static_cast<size_t>(wd[k_dim]);
+  s->n = static_cast<size_t>(wd[1 - k_dim]);
   s->elem = ffi::ByteWidth(dt);
   s->dtype = dt == ffi::DataType::BF16 ? GemmDtype::kBF16 : GemmDtype::kF16;
   if (s->rows == 0 || s->k == 0 || s->n == 0) return invalid("empty operands are not supported");
@@ -156,9 +159,11 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
                   RankState* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
                   ffi::Buffer<ffi::S32> rank_info, ffi::Result<ffi::AnyBuffer> z, int64_t tp,
                   int64_t num_groups, int64_t site, int64_t generation, int64_t debug_skip_rank,
-                  int64_t reduce_mode) {
+                  int64_t reduce_mode, int64_t transpose_w) {
   Shapes s;
-  if (ffi::Error e = CheckInputs(x, w, rank_info, *z, tp, &s); e.failure()) return e;
+  if (ffi::Error e = CheckInputs(x, w, rank_info, *z, tp, transpose_w, &s); e.failure()) {
+    return e;
+  }
   if (reduce_mode < 0 || reduce_mode > 2 ||
       (static_cast<ReduceMode>(reduce_mode) == ReduceMode::kEpilogue && tp != 2)) {
     return ffi::Error::InvalidArgument("jaxflux matmul_reduce_scatter: reduce must be 0 "
@@ -216,6 +221,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   problem.n = static_cast<int>(s.n);
   problem.k = static_cast<int>(s.k);
   problem.device = ordinal;
+  problem.b_kmajor = s.w_kmajor;
   problem.batch = static_cast<int>(s.batch);
   problem.batch_stride_a = static_cast<int64_t>(s.rows * s.k);
   problem.batch_stride_d = static_cast<int64_t>(s.m * s.n);
@@ -304,9 +310,9 @@ ffi::Error GemmRsSiteCached(cudaStream_t stream, int32_t ordinal, ffi::ScratchAl
                             ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank_info,
                             ffi::Result<ffi::AnyBuffer> z, int64_t tp, int64_t num_groups,
                             int64_t site, int64_t generation, int64_t debug_skip_rank,
-                            int64_t reduce_mode) {
+                            int64_t reduce_mode, int64_t transpose_w) {
   return GemmRs(stream, ordinal, std::move(scratch), nullptr, x, w, rank_info, z, tp, num_groups,
-                site, generation, debug_skip_rank, reduce_mode);
+                site, generation, debug_skip_rank, reduce_mode, transpose_w);
 }
 
 }  // namespace
@@ -319,7 +325,7 @@ ffi::Error GemmRsSiteCached(cudaStream_t stream, int32_t ordinal, ffi::ScratchAl
       .Ctx<xla::ffi::ScratchAllocator>()             /* CUTLASS scratch, if any */     \
       __VA_ARGS__                                                                      \
       .Arg<xla::ffi::AnyBuffer>()                    /* x: [..., M, K] */              \
-      .Arg<xla::ffi::AnyBuffer>()                    /* w: [K, N] */                   \
+      .Arg<xla::ffi::AnyBuffer>()                    /* w: [K, N] or [N, K] */         \
       .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        /* rank_info */                   \
       .Ret<xla::ffi::AnyBuffer>()                    /* z: [..., M/tp, N] */           \
       .Attr<int64_t>("tp")                                                             \
@@ -327,7 +333,8 @@ ffi::Error GemmRsSiteCached(cudaStream_t stream, int32_t ordinal, ffi::ScratchAl
       .Attr<int64_t>("site")                                                           \
       .Attr<int64_t>("generation")                                                     \
       .Attr<int64_t>("debug_skip_rank")                                                \
-      .Attr<int64_t>("reduce")
+      .Attr<int64_t>("reduce")                                                         \
+      .Attr<int64_t>("transpose_w") /* 1: w is [N, K], the weight transposed */
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxGemmRsExecute, jaxflux::GemmRs,
                               JAXFLUX_GEMM_RS_BINDING(
