@@ -18,11 +18,14 @@
 #             (~4 min)
 #   kmajor    the fused ops with the weight given transposed (the backward's way, read K-major):
 #             their GPU tests, then 60 training steps of issue 7's jaxflux and xla modes (~8 min)
+#   rsstore   experiment: GEMM+RS with the peers' partials stored by the GEMM into the owner's
+#             slot (JAXFLUX_GEMM_RS_PUSH=store): its GPU tests, then timed against the copy push
+#             (~7 min)
 # Needs .whl/ with the CUTLASS wheel (pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0),
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
-STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor}
+STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor rsstore}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLUX_CUDA=ON
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
@@ -126,12 +129,27 @@ if stage processes; then
       "$OUTDIR/${op}_process_per_gpu.json" --variants xla | tail -n +2 || status=1
   done
 fi
+
 if stage kmajor; then
   timeout 240 python3 -m pytest -q -rs -m gpu tests/test_ag_gemm_gpu.py tests/test_gemm_rs_gpu.py \
     -k "transposed or gradients" -p no:cacheprovider -o faulthandler_timeout=90 \
     > "$OUTDIR/kmajor_tests.log" 2>&1 || status=1
   tail -5 "$OUTDIR/kmajor_tests.log"
   MODES="jaxflux xla" MODE_TIMEOUT_S=170 bash benchmarks/train_modes.sh "$OUTDIR" 60 || status=1
+fi
+
+if stage rsstore; then
+  JAXFLUX_GEMM_RS_PUSH=store timeout 300 python3 -m pytest -q -rs -m gpu tests/test_gemm_rs_gpu.py \
+    -p no:cacheprovider -o faulthandler_timeout=90 > "$OUTDIR/gemm_rs_store_tests.log" 2>&1 \
+    || status=1
+  tail -5 "$OUTDIR/gemm_rs_store_tests.log"
+  for push in copy store; do
+    JAXFLUX_GEMM_RS_PUSH=$push timeout 120 python3 -m jaxflux.bench --op gemm_rs \
+      --M 1024,2048,4096,8192 --variants xla,jaxflux --timing device --iters 30 --repeats 3 \
+      --warmup 3 --out "$OUTDIR/gemm_rs_push_$push.json" > /dev/null 2>&1 || status=1
+  done
+  python3 benchmarks/compare_runs.py "$OUTDIR/gemm_rs_push_copy.json" \
+    "$OUTDIR/gemm_rs_push_store.json" --variants xla,jaxflux || status=1
 fi
 
 echo "end at $(( $(date +%s) - T0 )) s, status $status"

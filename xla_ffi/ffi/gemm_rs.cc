@@ -127,6 +127,19 @@ ffi::Error Finish(cudaStream_t stream, int32_t ordinal, int rank, const GroupInf
 // The `reduce` attribute (matmul_reduce_scatter.REDUCE_MODES).
 enum class ReduceMode : int64_t { kChoose = 0, kPass = 1, kEpilogue = 2 };
 
+// How a peer's partial reaches its owner. Default: the GEMM writes a local staging slot and a
+// copy engine pushes it after the GEMM (the owner's epilogue or pass waits for the whole push).
+// JAXFLUX_GEMM_RS_PUSH=store (experiment, not yet run on a GPU): the GEMM's epilogue stores the
+// partial straight into the owner's receive slot over NVLink (peer-mapped; TMA stores to a peer
+// address), so it has landed when the GEMM ends: no staging write, no copy, no push to wait for.
+bool RemoteStore() {
+  static const bool store = [] {
+    const char* env = std::getenv("JAXFLUX_GEMM_RS_PUSH");
+    return env != nullptr && std::string(env) == "store";
+  }();
+  return store;
+}
+
 // Whether the own-rows GEMM reduces in its epilogue (tp = 2) rather than in a separate pass.
 // The epilogue saves the pass (it reads both partials and writes the output: ~partial/0.8 TB/s),
 // but its first wave of tiles waits for the whole peer partial, pushed over NVLink (~0.38 TB/s)
@@ -151,7 +164,8 @@ bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k) {
     case ReduceMode::kEpilogue:
       return tp == 2;
     default:
-      return tp == 2 && partial_bytes <= kEpilogueBytesPerK * k;
+      // Pushed by the GEMM itself, the partial is there when the owner's GEMM starts.
+      return tp == 2 && (RemoteStore() || partial_bytes <= kEpilogueBytesPerK * k);
   }
 }
 
@@ -256,6 +270,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     gemm_workspace = *allocation;
   }
   const bool skip = debug_skip_rank == rank;  // test hook: this rank never signals its peers
+  const bool remote_store = RemoteStore();
   for (int i = 1; i <= tp; ++i) {
     const int p = (rank + i) % tp;  // peers first (they wait for us), own rows last
     if (p == rank && epilogue_reduce) {
@@ -266,12 +281,23 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
       break;
     }
     problem.a = x_base_of(p);
-    problem.d = p == rank ? recv(rank, rank) : stage_base + static_cast<size_t>(p) * slot_bytes;
+    problem.d = p == rank     ? recv(rank, rank)
+                : remote_store ? recv(p, rank)  // straight into the owner's slot, over NVLink
+                               : stage_base + static_cast<size_t>(p) * slot_bytes;
     if (const char* failure = GemmSm90(s.dtype, problem, gemm_workspace, stream)) {
       return Fail(failure);
     }
     JAXFLUX_CUDA(cudaGetLastError());
     if (p == rank) break;
+    if (remote_store) {
+      // The GEMM's stores to the owner are complete when the kernel is: the flag follows it on
+      // this stream.
+      if (!skip && !WriteFlag(stream, group.ranks[p]->ready_flags + flag_index + g.slot,
+                              flag_value, &failed)) {
+        return Fail(failed);
+      }
+      continue;
+    }
     JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
     JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
     JAXFLUX_CUDA(cudaMemcpyAsync(recv(p, rank), problem.d, partial_bytes, cudaMemcpyDefault,
