@@ -17,7 +17,8 @@
 #   processes issue 6: both fused ops timed by one process and by one process per GPU, compared
 #             (~4 min)
 #   kmajor    the fused ops with the weight given transposed (the backward's way, read K-major):
-#             their GPU tests, then 60 training steps of issue 7's jaxflux and xla modes (~8 min)
+#             their GPU tests and gradients, then timed against the usual weight (~5 min)
+#   kmajortrain  60 training steps of issue 7's jaxflux and xla modes, side by side (~6 min)
 #   rsstore   experiment: GEMM+RS with the peers' partials stored by the GEMM into the owner's
 #             slot (JAXFLUX_GEMM_RS_PUSH=store): its GPU tests, then timed against the copy push
 #             (~7 min)
@@ -25,7 +26,7 @@
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
-STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor rsstore}
+STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rsstore}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLUX_CUDA=ON
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
@@ -135,6 +136,16 @@ if stage kmajor; then
     -k "transposed or gradients" -p no:cacheprovider -o faulthandler_timeout=90 \
     > "$OUTDIR/kmajor_tests.log" 2>&1 || status=1
   tail -5 "$OUTDIR/kmajor_tests.log"
+  # The K-major weight against the usual one, kernel for kernel (the training step's shapes).
+  for op in ag_gemm gemm_rs; do
+    timeout 100 python3 -m jaxflux.bench --op $op --M 4096 \
+      --shapes-file benchmarks/shapes_llama70b_8l_train.json --variants xla,jaxflux,jaxflux_wt \
+      --timing device --iters 20 --repeats 3 --warmup 3 --out "$OUTDIR/${op}_kmajor.json" 2>&1 \
+      | grep -A6 "^name" || status=1
+  done
+fi
+
+if stage kmajortrain; then
   MODES="jaxflux xla" MODE_TIMEOUT_S=170 bash benchmarks/train_modes.sh "$OUTDIR" 60 || status=1
 fi
 
