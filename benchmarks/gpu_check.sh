@@ -19,14 +19,14 @@
 #   kmajor    the fused ops with the weight given transposed (the backward's way, read K-major):
 #             their GPU tests and gradients, then timed against the usual weight (~5 min)
 #   kmajortrain  60 training steps of issue 7's jaxflux and xla modes, side by side (~6 min)
-#   rsstore   experiment: GEMM+RS with the peers' partials stored by the GEMM into the owner's
-#             slot (JAXFLUX_GEMM_RS_PUSH=store): its GPU tests, then timed against the copy push
-#             (~7 min)
+#   rspush    experiment: GEMM+RS with JAXFLUX_GEMM_RS_PUSH=$RS_PUSH (store: the GEMM stores the
+#             peers' partials into the owners' slots; chunks: pushed in row chunks; default
+#             store): its GPU tests, then timed against the copy push (~7 min)
 # Needs .whl/ with the CUTLASS wheel (pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0),
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
-STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rsstore}
+STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLUX_CUDA=ON
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
@@ -149,18 +149,19 @@ if stage kmajortrain; then
   MODES="jaxflux xla" MODE_TIMEOUT_S=170 bash benchmarks/train_modes.sh "$OUTDIR" 60 || status=1
 fi
 
-if stage rsstore; then
-  JAXFLUX_GEMM_RS_PUSH=store timeout 300 python3 -m pytest -q -rs -m gpu tests/test_gemm_rs_gpu.py \
-    -p no:cacheprovider -o faulthandler_timeout=90 > "$OUTDIR/gemm_rs_store_tests.log" 2>&1 \
+if stage rspush; then
+  push=${RS_PUSH:-store}
+  JAXFLUX_GEMM_RS_PUSH=$push timeout 300 python3 -m pytest -q -rs -m gpu tests/test_gemm_rs_gpu.py \
+    -p no:cacheprovider -o faulthandler_timeout=90 > "$OUTDIR/gemm_rs_${push}_tests.log" 2>&1 \
     || status=1
-  tail -5 "$OUTDIR/gemm_rs_store_tests.log"
-  for push in copy store; do
-    JAXFLUX_GEMM_RS_PUSH=$push timeout 120 python3 -m jaxflux.bench --op gemm_rs \
+  tail -5 "$OUTDIR/gemm_rs_${push}_tests.log"
+  for mode in copy $push; do
+    JAXFLUX_GEMM_RS_PUSH=$mode timeout 120 python3 -m jaxflux.bench --op gemm_rs \
       --M 1024,2048,4096,8192 --variants xla,jaxflux --timing device --iters 30 --repeats 3 \
-      --warmup 3 --out "$OUTDIR/gemm_rs_push_$push.json" > /dev/null 2>&1 || status=1
+      --warmup 3 --out "$OUTDIR/gemm_rs_push_$mode.json" > /dev/null 2>&1 || status=1
   done
   python3 benchmarks/compare_runs.py "$OUTDIR/gemm_rs_push_copy.json" \
-    "$OUTDIR/gemm_rs_push_store.json" --variants xla,jaxflux || status=1
+    "$OUTDIR/gemm_rs_push_$push.json" --variants xla,jaxflux || status=1
 fi
 
 echo "end at $(( $(date +%s) - T0 )) s, status $status"

@@ -127,17 +127,25 @@ ffi::Error Finish(cudaStream_t stream, int32_t ordinal, int rank, const GroupInf
 // The `reduce` attribute (matmul_reduce_scatter.REDUCE_MODES).
 enum class ReduceMode : int64_t { kChoose = 0, kPass = 1, kEpilogue = 2 };
 
-// How a peer's partial reaches its owner. Default: the GEMM writes a local staging slot and a
-// copy engine pushes it after the GEMM (the owner's epilogue or pass waits for the whole push).
-// JAXFLUX_GEMM_RS_PUSH=store (experiment, not yet run on a GPU): the GEMM's epilogue stores the
-// partial straight into the owner's receive slot over NVLink (peer-mapped; TMA stores to a peer
-// address), so it has landed when the GEMM ends: no staging write, no copy, no push to wait for.
-bool RemoteStore() {
-  static const bool store = [] {
+// How a peer's partial reaches its owner (JAXFLUX_GEMM_RS_PUSH; experiments, not yet run on a
+// GPU except kCopy):
+// - copy (default): the GEMM writes a local staging slot and a copy engine pushes it after the
+//   GEMM (the owner's epilogue or pass waits for the whole push).
+// - store: the GEMM's epilogue stores the partial straight into the owner's receive slot over
+//   NVLink (peer-mapped; TMA stores to a peer address), so it has landed when the GEMM ends: no
+//   staging write, no copy, no push to wait for.
+// - chunks: as copy, but with the epilogue reduction (tp = 2, unbatched) the peer-rows GEMM runs
+//   in row chunks, each pushed (and flagged) as soon as it is done, so the owner's first tiles
+//   wait for one chunk's push, not the whole partial's (the fallback should store not work).
+enum class PushMode { kCopy, kStore, kChunks };
+
+PushMode Push() {
+  static const PushMode mode = [] {
     const char* env = std::getenv("JAXFLUX_GEMM_RS_PUSH");
-    return env != nullptr && std::string(env) == "store";
+    const std::string v = env != nullptr ? env : "";
+    return v == "store" ? PushMode::kStore : v == "chunks" ? PushMode::kChunks : PushMode::kCopy;
   }();
-  return store;
+  return mode;
 }
 
 // Whether the own-rows GEMM reduces in its epilogue (tp = 2) rather than in a separate pass.
@@ -164,9 +172,23 @@ bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k) {
     case ReduceMode::kEpilogue:
       return tp == 2;
     default:
-      // Pushed by the GEMM itself, the partial is there when the owner's GEMM starts.
-      return tp == 2 && (RemoteStore() || partial_bytes <= kEpilogueBytesPerK * k);
+      // Pushed by the GEMM itself, or in chunks, the partial (or its first chunk) is there
+      // when the owner's GEMM starts.
+      return tp == 2 && (Push() != PushMode::kCopy || partial_bytes <= kEpilogueBytesPerK * k);
   }
+}
+
+// Rows per pushed chunk of the peer-rows GEMM (PushMode::kChunks with the epilogue reduction,
+// unbatched x): each chunk within the epilogue's measured no-stall size (kEpilogueBytesPerK
+// bytes per K), at most kMaxChunks of them, cut at 128-row tiles; else one chunk of all rows.
+size_t PushChunkRows(const Shapes& s, bool epilogue_reduce) {
+  if (Push() != PushMode::kChunks || !epilogue_reduce || s.batch != 1) return s.m;
+  const size_t budget = kEpilogueBytesPerK * s.k;
+  const size_t bytes = s.m * s.n * s.elem;
+  const size_t chunks = std::clamp<size_t>((bytes + budget - 1) / budget, 1, kMaxChunks);
+  size_t rows = (s.m + chunks - 1) / chunks;
+  rows = (rows + 127) / 128 * 128;
+  return std::min(rows, s.m);
 }
 
 ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator scratch,
@@ -240,6 +262,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   problem.batch_stride_a = static_cast<int64_t>(s.rows * s.k);
   problem.batch_stride_d = static_cast<int64_t>(s.m * s.n);
   const bool epilogue_reduce = EpilogueReduce(tp, reduce_mode, partial_bytes, s.k);
+  const size_t chunk_rows = PushChunkRows(s, epilogue_reduce);  // s.m: one chunk
   const int peer = (rank + 1) % static_cast<int>(tp);  // the only peer when epilogue_reduce
   RsGemmProblem own{};  // the own rows with the reduction in the epilogue (tp = 2)
   if (epilogue_reduce) {
@@ -250,9 +273,9 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     AgGemmWait& wait = own.wait;
     wait = WaitOfThisRank(g, ordinal, epoch, rank_info.typed_data());
     wait.flags[0] = res->ready_flags + flag_index + g.peers[peer];
-    wait.flag_base = flag_value - 1;  // one chunk: landed once the flag reaches flag_value
+    wait.flag_base = flag_value - 1;  // chunk c landed once the flag reaches flag_base + c + 1
     wait.rows_per_shard = static_cast<int>(s.m);
-    wait.chunk_rows = static_cast<int>(s.m);
+    wait.chunk_rows = static_cast<int>(chunk_rows);
     wait.tp = 1;
     wait.op = static_cast<int32_t>(OpCode::kMatmulReduceScatter);
     wait.source_ranks[0] = peer;
@@ -270,7 +293,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     gemm_workspace = *allocation;
   }
   const bool skip = debug_skip_rank == rank;  // test hook: this rank never signals its peers
-  const bool remote_store = RemoteStore();
+  const bool remote_store = Push() == PushMode::kStore;
   for (int i = 1; i <= tp; ++i) {
     const int p = (rank + i) % tp;  // peers first (they wait for us), own rows last
     if (p == rank && epilogue_reduce) {
@@ -279,6 +302,31 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
       }
       JAXFLUX_CUDA(cudaGetLastError());
       break;
+    }
+    if (p != rank && chunk_rows < s.m) {  // PushMode::kChunks: the peer's rows chunk by chunk
+      const char* x_p = x_base_of(p);
+      char* stage = stage_base + static_cast<size_t>(p) * slot_bytes;
+      const size_t in_row = s.k * s.elem, out_row = s.n * s.elem;
+      for (size_t row0 = 0, c = 0; row0 < s.m; row0 += chunk_rows, ++c) {
+        const size_t rows = std::min(chunk_rows, s.m - row0);
+        GemmProblem chunk = problem;
+        chunk.a = x_p + row0 * in_row;
+        chunk.d = stage + row0 * out_row;
+        chunk.m = static_cast<int>(rows);
+        if (const char* failure = GemmSm90(s.dtype, chunk, gemm_workspace, stream)) {
+          return Fail(failure);
+        }
+        JAXFLUX_CUDA(cudaGetLastError());
+        JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
+        JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
+        JAXFLUX_CUDA(cudaMemcpyAsync(recv(p, rank) + row0 * out_row, chunk.d, rows * out_row,
+                                     cudaMemcpyDefault, res->side));
+        if (!skip && !WriteFlag(res->side, group.ranks[p]->ready_flags + flag_index + g.slot,
+                                flag_value + c, &failed)) {
+          return Fail(failed);
+        }
+      }
+      continue;
     }
     problem.a = x_base_of(p);
     problem.d = p == rank     ? recv(rank, rank)
