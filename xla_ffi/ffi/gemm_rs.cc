@@ -127,8 +127,9 @@ ffi::Error Finish(cudaStream_t stream, int32_t ordinal, int rank, const GroupInf
 // The `reduce` attribute (matmul_reduce_scatter.REDUCE_MODES).
 enum class ReduceMode : int64_t { kChoose = 0, kPass = 1, kEpilogue = 2 };
 
-// How a peer's partial reaches its owner (JAXFLUX_GEMM_RS_PUSH; experiments, not yet run on a
-// GPU except kCopy):
+// How a peer's partial reaches its owner (JAXFLUX_GEMM_RS_PUSH; store and chunks are opt-in
+// experiments, measured in session 6: store correct but 1.0-1.27x slower than copy, chunks
+// -3% to +7% where it changes anything, its GPU tests not run; benchmarks/README.md):
 // - copy (default): the GEMM writes a local staging slot and a copy engine pushes it after the
 //   GEMM (the owner's epilogue or pass waits for the whole push).
 // - store: the GEMM's epilogue stores the partial straight into the owner's receive slot over
@@ -136,7 +137,7 @@ enum class ReduceMode : int64_t { kChoose = 0, kPass = 1, kEpilogue = 2 };
 //   staging write, no copy, no push to wait for.
 // - chunks: as copy, but with the epilogue reduction (tp = 2, unbatched) the peer-rows GEMM runs
 //   in row chunks, each pushed (and flagged) as soon as it is done, so the owner's first tiles
-//   wait for one chunk's push, not the whole partial's (the fallback should store not work).
+//   wait for one chunk's push, not the whole partial's.
 enum class PushMode { kCopy, kStore, kChunks };
 
 PushMode Push() {
