@@ -16,11 +16,17 @@
 #   trainshapes  the training step's GEMM shapes: AG+GEMM per tile config, GEMM+RS (~5 min)
 #   processes issue 6: both fused ops timed by one process and by one process per GPU, compared
 #             (~4 min)
+#   kmajor    the fused ops with the weight given transposed (the backward's way, read K-major):
+#             their GPU tests and gradients, then timed against the usual weight (~5 min)
+#   kmajortrain  60 training steps of issue 7's jaxflux and xla modes, side by side (~6 min)
+#   rspush    experiment: GEMM+RS with JAXFLUX_GEMM_RS_PUSH=$RS_PUSH (store: the GEMM stores the
+#             peers' partials into the owners' slots; chunks: pushed in row chunks; default
+#             store): its GPU tests, then timed against the copy push (~7 min)
 # Needs .whl/ with the CUTLASS wheel (pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0),
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
-STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes}
+STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLUX_CUDA=ON
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
@@ -124,5 +130,39 @@ if stage processes; then
       "$OUTDIR/${op}_process_per_gpu.json" --variants xla | tail -n +2 || status=1
   done
 fi
+
+if stage kmajor; then
+  timeout 240 python3 -m pytest -q -rs -m gpu tests/test_ag_gemm_gpu.py tests/test_gemm_rs_gpu.py \
+    -k "transposed or gradients" -p no:cacheprovider -o faulthandler_timeout=90 \
+    > "$OUTDIR/kmajor_tests.log" 2>&1 || status=1
+  tail -5 "$OUTDIR/kmajor_tests.log"
+  # The K-major weight against the usual one, kernel for kernel (the training step's shapes).
+  for op in ag_gemm gemm_rs; do
+    timeout 100 python3 -m jaxflux.bench --op $op --M 4096 \
+      --shapes-file benchmarks/shapes_llama70b_8l_train.json --variants xla,jaxflux,jaxflux_wt \
+      --timing device --iters 20 --repeats 3 --warmup 3 --out "$OUTDIR/${op}_kmajor.json" 2>&1 \
+      | grep -A6 "^name" || status=1
+  done
+fi
+
+if stage kmajortrain; then
+  MODES="jaxflux xla" MODE_TIMEOUT_S=170 bash benchmarks/train_modes.sh "$OUTDIR" 60 || status=1
+fi
+
+if stage rspush; then
+  push=${RS_PUSH:-store}
+  JAXFLUX_GEMM_RS_PUSH=$push timeout 300 python3 -m pytest -q -rs -m gpu tests/test_gemm_rs_gpu.py \
+    -p no:cacheprovider -o faulthandler_timeout=90 > "$OUTDIR/gemm_rs_${push}_tests.log" 2>&1 \
+    || status=1
+  tail -5 "$OUTDIR/gemm_rs_${push}_tests.log"
+  for mode in copy $push; do
+    JAXFLUX_GEMM_RS_PUSH=$mode timeout 120 python3 -m jaxflux.bench --op gemm_rs \
+      --M 1024,2048,4096,8192 --variants xla,jaxflux --timing device --iters 30 --repeats 3 \
+      --warmup 3 --out "$OUTDIR/gemm_rs_push_$mode.json" > /dev/null 2>&1 || status=1
+  done
+  python3 benchmarks/compare_runs.py "$OUTDIR/gemm_rs_push_copy.json" \
+    "$OUTDIR/gemm_rs_push_$push.json" --variants xla,jaxflux || status=1
+fi
+
 echo "end at $(( $(date +%s) - T0 )) s, status $status"
 exit $status

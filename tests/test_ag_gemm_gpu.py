@@ -197,6 +197,26 @@ def test_every_tile_config_matches_reference(config, shard_rows, K, N, batch):
   assert rel_err(only, reference(x, w0)) <= TOL[jnp.bfloat16]
 
 
+@pytest.mark.parametrize("config", AG_GEMM_CONFIGS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("shard_rows,K,N,batch", [
+    (200, 264, 136, ()),      # K, N not multiples of any tile
+    (1024, 4096, 2048, ()),
+    (7, 96, 40, (2, 3)),      # batch dims
+])
+def test_weight_given_transposed_matches_reference(config, dtype, shard_rows, K, N, batch):
+  """transpose_w: w is [N, K] (the backward's forward weight, read K-major by the kernel)."""
+  mesh = gpu_mesh()
+  tp = mesh.shape["tp"]
+  x, w = operands(K + N + 1, batch + (tp * shard_rows, K), (K, N * tp), dtype)
+  wt = jnp.asarray(w.T)  # [N*tp, K]: the kernel gets this array, never w
+  spec = _x_spec(x.ndim)
+  body = lambda x, wt: agm_module._fused(x, wt, "tp", False, config=config, transpose_w=True)[0]
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P("tp", None)),
+                            out_specs=P(*([None] * (x.ndim - 1)), "tp")))
+  assert rel_err(f(x, wt), reference(x, w)) <= TOL[dtype]
+
+
 def test_a_peer_that_never_signals_times_out_instead_of_hanging():
   mesh = gpu_mesh()
   tp = mesh.shape["tp"]

@@ -251,3 +251,20 @@ def test_device_mode_times_with_the_clock_and_checks_the_queue(monkeypatch):
   monkeypatch.setattr(device_clock, "spin_ns_for", lambda calls: 0)  # no time to queue
   timed.time_ms()
   assert timed.queue_filled is False
+
+
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs"])
+def test_transposed_weight_input_is_the_weight_transposed(op):
+  """jaxflux_wt's input `wt` is made from `w` (so its output is checked against xla's), with
+  the sharding the transposed weight has on each device."""
+  import numpy as np
+  from jaxflux.bench import inputs
+  from jaxflux.bench.rows import Row
+
+  tp = 2
+  row = Row(op=op, name="t", M=16, K=24, N=32, tp=tp, dtype="float32")
+  mesh = inputs.make_mesh(tp)
+  (arrays,) = inputs.make_inputs(row, mesh, 1, seed=3)
+  np.testing.assert_array_equal(np.asarray(arrays["wt"]), np.asarray(arrays["w"]).T)
+  w_spec, wt_spec = arrays["w"].sharding.spec, arrays["wt"].sharding.spec
+  assert tuple(wt_spec) == tuple(reversed(tuple(w_spec)))

@@ -3,6 +3,7 @@ picks, and that its FFI call is typed like the XLA path under shard_map, so jax.
 (an earlier version typed x_full as unvarying and the custom_vjp backward failed on GPU only).
 The GPU is faked by patching the platform check; nothing here runs the kernel."""
 import jax
+import jax.extend
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -164,3 +165,35 @@ def test_auto_reduce_scatter_takes_fused_only_where_measured_ahead(fake_gpu, tp,
   text = _jaxpr_text(f, x, w)
   assert ("jaxflux_matmul_reduce_scatter" in text) == fused
   assert ("reduce_scatter[" in text) == (not fused)  # XLA's psum_scatter primitive
+
+
+def test_backward_hands_the_weights_over_untransposed(fake_gpu):
+  """A column -> row MLP's gradient: the backward runs the partner kernels on the forward
+  weights as they are (transpose_w=1, read K-major), so the traced program holds no transpose
+  of a weight (XLA would materialize it before the FFI call; docs/design.md, "The weight is
+  never transposed")."""
+  mesh = make_mesh((2,), ("tp",))
+
+  def mlp(x, w1, w2):
+    h = jaxflux.all_gather_matmul(x, w1, "tp", impl="fused")
+    return jaxflux.matmul_reduce_scatter(h, w2, "tp", impl="fused")
+  f = jax.shard_map(mlp, mesh=mesh, in_specs=(P("tp", None), P(None, "tp"), P("tp", None)),
+                    out_specs=P("tp", None))
+  x = jnp.ones((16, 64), jnp.bfloat16)
+  w1 = jnp.ones((64, 32), jnp.bfloat16)
+  w2 = jnp.ones((32, 64), jnp.bfloat16)
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+  jaxpr = jax.make_jaxpr(grad)(x, w1, w2)
+  calls = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      assert eqn.primitive.name != "transpose", eqn
+      if eqn.primitive.name == "ffi_call":
+        attrs = dict(eqn.params["attributes"])
+        calls.append((eqn.params["target_name"], int(attrs["transpose_w"])))
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+  walk(jaxpr.jaxpr)
+  assert calls == [("jaxflux_all_gather_matmul", 0), ("jaxflux_matmul_reduce_scatter", 0),
+                   ("jaxflux_all_gather_matmul", 1), ("jaxflux_matmul_reduce_scatter", 1)]

@@ -68,6 +68,28 @@ def test_odd_shapes_and_batch_dims(dtype, rows_per_rank, K, N, batch):
 
 
 @pytest.mark.parametrize("reduce", ["pass", "epilogue"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("rows_per_rank,K,N,batch", [
+    (200, 256, 512, ()),
+    (1024, 4096, 8192, ()),
+    (7, 96, 40, (2, 3)),
+])
+def test_weight_given_transposed_matches_reference(reduce, dtype, rows_per_rank, K, N, batch):
+  """transpose_w: w is [N, K] (the backward's forward weight, read K-major by the kernel), in
+  both reduction modes."""
+  mesh = gpu_mesh()
+  tp = mesh.shape["tp"]
+  x, w = operands(rows_per_rank + K + N, batch + (tp * rows_per_rank, K * tp), (K * tp, N),
+                  dtype)
+  wt = jnp.asarray(w.T)  # [N, K*tp]: the kernel gets this array, never w
+  lead = [None] * (x.ndim - 2)
+  body = lambda x, wt: rs_module._fused(x, wt, "tp", reduce=reduce, transpose_w=True)
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(*lead, None, "tp"), P(None, "tp")),
+                            out_specs=P(*lead, "tp", None)))
+  assert rel_err(f(x, wt), reference(x, w)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("reduce", ["pass", "epilogue"])
 @pytest.mark.parametrize("rows_per_rank,K,N,batch", [
     (200, 256, 512, ()),      # owner rows not a multiple of the 128-row tile
     (1024, 4096, 8192, ()),   # several waves of tiles wait on the peer's partial

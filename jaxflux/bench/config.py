@@ -7,20 +7,21 @@ import pathlib
 OPS = ("all_gather", "ag_gemm", "gemm_rs")
 AXIS = "tp"
 DEFAULT_VARIANTS = ("gemm", "gemm_only", "comm", "xla", "xla_windowed", "pallas", "jaxflux", "auto")
-EXTRA_VARIANTS = ("xla_gspmd",)
+EXTRA_VARIANTS = ("xla_gspmd", "jaxflux_wt")
 # Variants that apply to each op, in the order they run (xla first: it is the reference output).
 OP_VARIANTS = {
     "all_gather": ("xla", "jaxflux"),
-    "ag_gemm": ("xla", "gemm", "gemm_only", "comm", "pallas", "jaxflux", "auto", "xla_windowed",
-                "xla_gspmd"),
-    "gemm_rs": ("xla", "gemm", "gemm_only", "comm", "jaxflux", "auto", "xla_windowed",
-                "xla_gspmd"),
+    "ag_gemm": ("xla", "gemm", "gemm_only", "comm", "pallas", "jaxflux", "jaxflux_wt", "auto",
+                "xla_windowed", "xla_gspmd"),
+    "gemm_rs": ("xla", "gemm", "gemm_only", "comm", "jaxflux", "jaxflux_wt", "auto",
+                "xla_windowed", "xla_gspmd"),
 }
 # Variants whose output is the op's output (checked against `xla`).
-OUTPUT_VARIANTS = ("xla", "pallas", "jaxflux", "auto", "xla_windowed", "xla_gspmd")
+OUTPUT_VARIANTS = ("xla", "pallas", "jaxflux", "jaxflux_wt", "auto", "xla_windowed", "xla_gspmd")
 WINDOWED_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0",
                   "--xla_gpu_multi_streamed_windowed_einsum=true")
-DISPLAY_ORDER = ("gemm", "gemm_only", "comm", "xla", "xla_windowed", "pallas", "jaxflux", "auto", "xla_gspmd")
+DISPLAY_ORDER = ("gemm", "gemm_only", "comm", "xla", "xla_windowed", "pallas", "jaxflux",
+                 "jaxflux_wt", "auto", "xla_gspmd")
 CHILD_MARKER = "JAXFLUX_BENCH_CHILD_JSON:"
 # Above any device memory's bandwidth today (H200: 4.8 TB/s): a sanity floor, see `_floor_ms`.
 FLOOR_BANDWIDTH = 10e12

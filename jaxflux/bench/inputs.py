@@ -31,10 +31,13 @@ def _input_layouts(row: Row) -> dict[str, tuple[tuple[int, ...], P]]:
   if row.op == "ag_gemm":
     return {"x": ((M, K), P(AXIS, None)), "w": ((K, N), P(None, AXIS)),
             # gemm: each device multiplies its own full [M, K] by its w shard.
-            "x_full": ((tp * M, K), P(AXIS, None))}
+            "x_full": ((tp * M, K), P(AXIS, None)),
+            # jaxflux_wt: w given transposed (made from w, see make_inputs).
+            "wt": ((N, K), P(AXIS, None))}
   return {"x": ((M, K), P(None, AXIS)), "w": ((K, N), P(AXIS, None)),
           # comm: each device reduce-scatters its own [M, N] partial.
-          "partial": ((tp * M, N), P(AXIS, None))}
+          "partial": ((tp * M, N), P(AXIS, None)),
+          "wt": ((N, K), P(None, AXIS))}
 
 
 def _main_input_bytes_per_device(row: Row) -> int:
@@ -56,15 +59,25 @@ def _generator(shape: tuple[int, ...], dtype: str, sharding: NamedSharding) -> C
                  out_shardings=sharding)
 
 
+@functools.lru_cache(maxsize=64)
+def _transposer(sharding: NamedSharding) -> Callable:
+  return jax.jit(lambda w: w.T, out_shardings=sharding)
+
+
 def make_inputs(row: Row, mesh: Mesh, n_sets: int, seed: int) -> list[dict[str, jax.Array]]:
   """Fresh standard-normal arrays (never zeros), generated in place with their final sharding."""
   sets = []
   base = jax.random.fold_in(jax.random.key(seed), zlib.crc32(json.dumps(row.key()).encode()) >> 1)
   for s in range(n_sets):
     arrays = {}
-    for i, (name, (shape, spec)) in enumerate(sorted(_input_layouts(row).items())):
+    layouts = _input_layouts(row)
+    for i, (name, (shape, spec)) in enumerate(sorted(layouts.items())):
+      if name == "wt":  # w itself, transposed: the variant must compute the same product
+        continue
       key = jax.random.fold_in(jax.random.fold_in(base, s), i)
       arrays[name] = _generator(shape, row.dtype, NamedSharding(mesh, spec))(key)
+    if "wt" in layouts:
+      arrays["wt"] = _transposer(NamedSharding(mesh, layouts["wt"][1]))(arrays["w"])
     sets.append(arrays)
   jax.block_until_ready(sets)
   return sets

@@ -25,9 +25,10 @@ def format_table(result: dict) -> str:
                    f"{_fmt(r['gbps'].get('jaxflux'), '.1f'):>9}"
                    f"{_fmt(r['speedup_vs_xla'], '.3f'):>9}")
   else:
-    cols = [v for v in ("gemm", "gemm_only", "comm", "xla", "xla_windowed", "pallas", "jaxflux", "auto",
-                        "xla_gspmd") if v in rows[0]["ms"]]
-    short = {"xla_windowed": "xla_win", "xla_gspmd": "gspmd", "gemm_only": "gemm_jf"}
+    cols = [v for v in ("gemm", "gemm_only", "comm", "xla", "xla_windowed", "pallas", "jaxflux",
+                        "jaxflux_wt", "auto", "xla_gspmd") if v in rows[0]["ms"]]
+    short = {"xla_windowed": "xla_win", "xla_gspmd": "gspmd", "gemm_only": "gemm_jf",
+             "jaxflux_wt": "jf_wt"}
     head = f"{'name':<16}{'M':>7}{'K':>7}{'N':>7}" + "".join(
         f"{short.get(c, c):>9}" for c in cols) + f"{'TF/s jf':>9}{'spd':>7}{'E jf':>7}{'E xla':>7}"
     lines.append(head + "   (ms per call; E = overlap efficiency)")

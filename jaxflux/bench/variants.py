@@ -76,6 +76,16 @@ def make_variant(name: str, row: Row) -> Variant:
   if name in ("xla", "jaxflux", "auto"):
     impl = {"xla": "xla", "jaxflux": "fused", "auto": "auto"}[name]
     return Variant(name, _jaxflux_op(op, impl), ("x", "w"))
+  if name == "jaxflux_wt":  # the fused kernel reading the weight K-major, as backward passes do
+    module = importlib.import_module("jaxflux.ops.all_gather_matmul" if op == "ag_gemm"
+                                     else "jaxflux.ops.matmul_reduce_scatter")
+    if op == "ag_gemm":
+      fn = lambda x, wt: module.apply(x, wt, AXIS, False, "fused", None, None,  # noqa: E731
+                                      transpose_w=True)
+    else:
+      fn = lambda x, wt: module.apply(x, wt, AXIS, "fused", None, None,  # noqa: E731
+                                      transpose_w=True)
+    return Variant(name, fn, ("x", "wt"))
   if name in ("xla_windowed", "xla_gspmd"):
     out_spec = P(None, AXIS) if op == "ag_gemm" else P(AXIS, None)
     return Variant(name, jnp.dot, ("x", "w"), gspmd_out_spec=out_spec)

@@ -193,10 +193,17 @@ def result_dtype(x, w, preferred_element_type):
   return jnp.dtype(preferred_element_type)
 
 
-def matmul(x, w, *, precision, preferred_element_type):
-  """x [..., r, K] @ w [K, N] with lax.dot_general semantics (what flax.linen.Dense computes)."""
-  return lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision,
-                         preferred_element_type=preferred_element_type)
+def matmul(x, w, *, precision, preferred_element_type, transpose_w=False):
+  """x [..., r, K] @ w [K, N] with lax.dot_general semantics (what flax.linen.Dense computes);
+  with transpose_w, w is [N, K] and the product x @ wᵀ (contracted in place, no transpose)."""
+  return lax.dot_general(x, w, (((x.ndim - 1,), (1 if transpose_w else 0,)), ((), ())),
+                         precision=precision, preferred_element_type=preferred_element_type)
+
+
+def transposed_shape(w):
+  """The weight the op multiplies by when it is given transposed: an abstract [K, N] for the
+  checks that read w's shape and dtype."""
+  return jax.ShapeDtypeStruct(w.shape[::-1], w.dtype)
 
 
 def weight_grad(lhs, dout, *, precision, dtype):

@@ -9,9 +9,12 @@ Per-device view inside `jax.shard_map`:
 Backward (the pair closes under differentiation):
   dx, dz_full = all_gather_matmul(dz, wᵀ, return_gathered=True)   [..., M, k]
   dw = xᵀ · dz_full                                                [k, N]
+The backward hands w over as is with transpose_w (the kernels read it K-major), so no transposed
+copy of the weight is made; the partner op's backward does the same with its weight.
 """
 from __future__ import annotations
 
+import importlib
 import math
 from functools import partial
 
@@ -20,7 +23,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflux.ops import _common
-from jaxflux.ops.all_gather_matmul import all_gather_matmul
+
+# The partner op's module (jaxflux.ops re-exports its function under the same name).
+ag = importlib.import_module("jaxflux.ops.all_gather_matmul")
 
 
 def matmul_reduce_scatter(x, w, axis_name: str, *, impl: str = "auto",
@@ -52,9 +57,21 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, impl: str = "auto",
         f"{op}: the token axis of x (axis -2, size {tokens}, x.shape={x.shape}) must divide by "
         f"the size of mesh axis {axis_name!r} (tp={tp}) to be scattered. Pad the tokens to a "
         f"multiple of {tp} or use a tp that divides {tokens}.")
-  _resolve(impl, x, w, preferred_element_type, axis_name)
+  return apply(x, w, axis_name, impl, preferred_element_type, precision, transpose_w=False)
+
+
+def apply(x, w, axis_name, impl, preferred_element_type, precision, *, transpose_w):
+  """matmul_reduce_scatter of checked operands, by w or, with transpose_w, by wᵀ (w is then
+  [N, k]: all_gather_matmul's backward passes its forward weight so)."""
+  _resolve(impl, x, _weight(w, transpose_w), preferred_element_type, axis_name)
   return _matmul_reduce_scatter(x, w, axis_name, impl,
-                                _common.static_dtype(preferred_element_type), precision)
+                                _common.static_dtype(preferred_element_type), precision,
+                                transpose_w)
+
+
+def _weight(w, transpose_w):
+  """What the checks see as the weight: w, or the [k, N] it stands for when transposed."""
+  return _common.transposed_shape(w) if transpose_w else w
 
 
 def _fused_unsupported_reason(x, w, preferred_element_type, tp: int,
@@ -90,16 +107,17 @@ def _resolve(impl, x, w, preferred_element_type, axis_name) -> str:
                                  axis_name, _fused_unsupported_reason, _auto_prefers_fused)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _matmul_reduce_scatter(x, w, axis_name, impl, preferred_element_type, precision):
-  return _forward(x, w, axis_name, impl, preferred_element_type, precision)
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _matmul_reduce_scatter(x, w, axis_name, impl, preferred_element_type, precision, transpose_w):
+  return _forward(x, w, axis_name, impl, preferred_element_type, precision, transpose_w)
 
 
-def _forward(x, w, axis_name, impl, preferred_element_type, precision):
-  if _resolve(impl, x, w, preferred_element_type, axis_name) == "fused":
-    return _fused(x, w, axis_name)
+def _forward(x, w, axis_name, impl, preferred_element_type, precision, transpose_w):
+  if _resolve(impl, x, _weight(w, transpose_w), preferred_element_type, axis_name) == "fused":
+    return _fused(x, w, axis_name, transpose_w=transpose_w)
   partial_sum = _common.matmul(x, w, precision=precision,
-                               preferred_element_type=preferred_element_type)
+                               preferred_element_type=preferred_element_type,
+                               transpose_w=transpose_w)
   return lax.psum_scatter(partial_sum, axis_name, scatter_dimension=x.ndim - 2, tiled=True)
 
 
@@ -110,11 +128,12 @@ def _forward(x, w, axis_name, impl, preferred_element_type, precision):
 REDUCE_MODES = {None: 0, "pass": 1, "epilogue": 2}
 
 
-def _fused(x, w, axis_name, debug_skip_rank=-1, reduce=None):
+def _fused(x, w, axis_name, debug_skip_rank=-1, reduce=None, transpose_w=False):
   """The fused kernel (jaxflux_matmul_reduce_scatter FFI target, xla_ffi/ffi/gemm_rs.cc).
 
   debug_skip_rank: test hook; that rank never signals its peers, so they time out.
   reduce: one of REDUCE_MODES (tests, tuning).
+  transpose_w: w is [N, k] and the kernel multiplies by wᵀ, reading w K-major.
   """
   from jaxflux.ops import all_gather as all_gather_module  # rank_info lives with the runtime op
   from jaxflux.ops import gemm as gemm_module
@@ -127,29 +146,34 @@ def _fused(x, w, axis_name, debug_skip_rank=-1, reduce=None):
     raise ValueError(f"matmul_reduce_scatter: reduce='epilogue' needs tp=2 (here tp={tp}); "
                      "use reduce=None")
   if tp == 1:  # nothing to reduce
-    return gemm_module.gemm(x, w)
+    return gemm_module.gemm(x, w.T if transpose_w else w)
   m = x.shape[-2] // tp
-  n = w.shape[1]
+  n = w.shape[0] if transpose_w else w.shape[1]
   partial_bytes = math.prod(x.shape[:-2]) * m * n * jnp.dtype(x.dtype).itemsize
   # Two parities of [tp receive slots, tp staging slots].
   z = all_gather_module.call_group_op(
       "matmul_reduce_scatter", jax.ShapeDtypeStruct(x.shape[:-2] + (m, n), x.dtype), (x, w),
       axis_name, 2 * 2 * tp * all_gather_module.slot_bytes(partial_bytes),
-      debug_skip_rank=debug_skip_rank, reduce=REDUCE_MODES[reduce])
+      debug_skip_rank=debug_skip_rank, reduce=REDUCE_MODES[reduce], transpose_w=int(transpose_w))
   # Typed like the XLA path's result: varying along the scattered axis and wherever x, w vary.
   return _common.mark_varying(z, _common.vma(x) | _common.vma(w) | {axis_name})
 
 
-def _fwd(x, w, axis_name, impl, preferred_element_type, precision):
-  return _forward(x, w, axis_name, impl, preferred_element_type, precision), (x, w)
+def _fwd(x, w, axis_name, impl, preferred_element_type, precision, transpose_w):
+  out = _forward(x, w, axis_name, impl, preferred_element_type, precision, transpose_w)
+  return out, (x, w)
 
 
-def _bwd(axis_name, impl, preferred_element_type, precision, residuals, dz):
+def _bwd(axis_name, impl, preferred_element_type, precision, transpose_w, residuals, dz):
   x, w = residuals
   dz = dz.astype(_common.result_dtype(x, w, None))
-  dx, dz_full = all_gather_matmul(dz, w.T, axis_name, return_gathered=True, impl=impl,
-                                  preferred_element_type=x.dtype, precision=precision)
-  dw = _common.weight_grad(x, dz_full, precision=precision, dtype=w.dtype)
+  # dX = all_gather(dz) · W_effᵀ through the fused AllGather+GEMM, with the same w flipped:
+  # W_effᵀ is w itself when w came transposed, else w read K-major.
+  dx, dz_full = ag.apply(dz, w, axis_name, True, impl, x.dtype, precision,
+                         transpose_w=not transpose_w)
+  # dW_eff = xᵀ · dz_full; w holds its transpose when transpose_w.
+  dw = (_common.weight_grad(dz_full, x, precision=precision, dtype=w.dtype) if transpose_w
+        else _common.weight_grad(x, dz_full, precision=precision, dtype=w.dtype))
   return _common.match_vma(dx, x), _common.match_vma(dw, w)
 
 

@@ -52,10 +52,11 @@ ffi::Error Fail(const std::string& what) { return OpError(kOp, what); }
 struct Shapes {
   size_t batch = 0, m = 0, k = 0, n = 0, elem = 0;
   GemmDtype dtype = GemmDtype::kBF16;
+  bool w_kmajor = false;  // w holds the weight transposed, [N, K] (transpose_w)
 };
 
 ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank_info,
-                       ffi::AnyBuffer y, int64_t tp, Shapes* s) {
+                       ffi::AnyBuffer y, int64_t tp, int64_t transpose_w, Shapes* s) {
   const auto dt = x.element_type();
   if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) {
     return ffi::Error::InvalidArgument("jaxflux all_gather_matmul: x must be bfloat16 or float16");
@@ -65,13 +66,15 @@ ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32>
   }
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() < 2 || wd.size() != 2 || xd.back() != wd[0]) {
+  s->w_kmajor = transpose_w != 0;
+  const int k_dim = s->w_kmajor ? 1 : 0;
+  if (xd.size() < 2 || wd.size() != 2 || xd.back() != wd[k_dim]) {
     return ffi::Error::InvalidArgument("jaxflux all_gather_matmul: expected x [..., m, K] and "
-                                       "w [K, N]");
+                                       "w [K, N] (or [N, K] with transpose_w)");
   }
   s->m = static_cast<size_t>(xd[xd.size() - 2]);
-  s->k = static_cast<size_t>(wd[0]);
-  s->n = static_cast<size_t>(wd[1]);
+  s->k = static_cast<size_t>(wd[k_dim]);
+  s->n = static_cast<size_t>(wd[1 - k_dim]);
   s->elem = ffi::ByteWidth(dt);
   s->dtype = dt == ffi::DataType::BF16 ? GemmDtype::kBF16 : GemmDtype::kF16;
   if (s->m == 0 || s->k == 0 || s->n == 0) {
@@ -117,9 +120,12 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
                   RankState* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
                   ffi::Buffer<ffi::S32> rank_info, ffi::Result<ffi::AnyBuffer> y,
                   ffi::RemainingRets extra, int64_t tp, int64_t num_groups, int64_t site,
-                  int64_t generation, int64_t debug_skip_rank, int64_t config) {
+                  int64_t generation, int64_t debug_skip_rank, int64_t config,
+                  int64_t transpose_w) {
   Shapes s;
-  if (ffi::Error e = CheckInputs(x, w, rank_info, *y, tp, &s); e.failure()) return e;
+  if (ffi::Error e = CheckInputs(x, w, rank_info, *y, tp, transpose_w, &s); e.failure()) {
+    return e;
+  }
   if (config >= kAgGemmNumConfigs) {
     return ffi::Error::InvalidArgument("jaxflux all_gather_matmul: config must be -1 (choose) or "
                                        "0.." + std::to_string(kAgGemmNumConfigs - 1));
@@ -220,6 +226,7 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   problem.gemm = GemmProblem{my_arena + parity_offset, w.untyped_data(), y->untyped_data(),
                              static_cast<int>(s.batch * s.m * tp), static_cast<int>(s.n),
                              static_cast<int>(s.k), ordinal};
+  problem.gemm.b_kmajor = s.w_kmajor;
   problem.wait_for_flags = 1;
   problem.config = config >= 0 ? static_cast<AgGemmConfig>(config)
                                : ChooseAgGemmConfig(problem.gemm);
@@ -269,9 +276,9 @@ ffi::Error AgGemmSiteCached(cudaStream_t stream, int32_t ordinal, ffi::ScratchAl
                             ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank_info,
                             ffi::Result<ffi::AnyBuffer> y, ffi::RemainingRets extra, int64_t tp,
                             int64_t num_groups, int64_t site, int64_t generation,
-                            int64_t debug_skip_rank, int64_t config) {
+                            int64_t debug_skip_rank, int64_t config, int64_t transpose_w) {
   return AgGemm(stream, ordinal, std::move(scratch), nullptr, x, w, rank_info, y, extra, tp,
-                num_groups, site, generation, debug_skip_rank, config);
+                num_groups, site, generation, debug_skip_rank, config, transpose_w);
 }
 
 }  // namespace
@@ -284,7 +291,7 @@ ffi::Error AgGemmSiteCached(cudaStream_t stream, int32_t ordinal, ffi::ScratchAl
       .Ctx<xla::ffi::ScratchAllocator>()             /* CUTLASS scratch, if any */     \
       __VA_ARGS__                                                                      \
       .Arg<xla::ffi::AnyBuffer>()                    /* x: local shard [..., m, K] */  \
-      .Arg<xla::ffi::AnyBuffer>()                    /* w: [K, N] */                   \
+      .Arg<xla::ffi::AnyBuffer>()                    /* w: [K, N] or [N, K] */         \
       .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        /* rank_info */                   \
       .Ret<xla::ffi::AnyBuffer>()                    /* y: [..., tp*m, N] */           \
       .RemainingRets()                               /* optional x_full */             \
@@ -293,7 +300,8 @@ ffi::Error AgGemmSiteCached(cudaStream_t stream, int32_t ordinal, ffi::ScratchAl
       .Attr<int64_t>("site")                                                           \
       .Attr<int64_t>("generation")                                                     \
       .Attr<int64_t>("debug_skip_rank")                                                \
-      .Attr<int64_t>("config") /* AgGemmConfig, -1: ChooseAgGemmConfig */
+      .Attr<int64_t>("config")      /* AgGemmConfig, -1: ChooseAgGemmConfig */         \
+      .Attr<int64_t>("transpose_w") /* 1: w is [N, K], the weight transposed */
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxAgGemmExecute, jaxflux::AgGemm,
                               JAXFLUX_AG_GEMM_BINDING(

@@ -61,10 +61,11 @@ ffi::Error Fail(const std::string& what) { return OpError(kOp, what); }
 struct Shapes {
   size_t batch = 0, rows = 0, m = 0, k = 0, n = 0, elem = 0;  // rows = M, m = M / tp
   GemmDtype dtype = GemmDtype::kBF16;
+  bool w_kmajor = false;  // w holds the weight transposed, [N, K] (transpose_w)
 };
 
 ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank_info,
-                       ffi::AnyBuffer z, int64_t tp, Shapes* s) {
+                       ffi::AnyBuffer z, int64_t tp, int64_t transpose_w, Shapes* s) {
   auto invalid = [](const std::string& what) {
     return ffi::Error::InvalidArgument("jaxflux matmul_reduce_scatter: " + what);
   };
@@ -77,15 +78,17 @@ ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32>
   }
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() < 2 || wd.size() != 2 || xd.back() != wd[0]) {
-    return invalid("expected x [..., M, K] and w [K, N]");
+  s->w_kmajor = transpose_w != 0;
+  const int k_dim = s->w_kmajor ? 1 : 0;
+  if (xd.size() < 2 || wd.size() != 2 || xd.back() != wd[k_dim]) {
+    return invalid("expected x [..., M, K] and w [K, N] (or [N, K] with transpose_w)");
   }
   if (tp < 2 || tp > kReduceMaxRanks) {
     return invalid("tp must be in 2.." + std::to_string(kReduceMaxRanks));
   }
   s->rows = static_cast<size_t>(xd[xd.size() - 2]);
-  s->k = static_cast<size_t>(wd[0]);
-  s->n = static_cast<size_t>(wd[1]);
+  s->k = static_cast<size_t>(wd[k_dim]);
+  s->n = static_cast<size_t>(wd[1 - k_dim]);
   s->elem = ffi::ByteWidth(dt);
   s->dtype = dt == ffi::DataType::BF16 ? GemmDtype::kBF16 : GemmDtype::kF16;
   if (s->rows == 0 || s->k == 0 || s->n == 0) return invalid("empty operands are not supported");
@@ -124,6 +127,28 @@ ffi::Error Finish(cudaStream_t stream, int32_t ordinal, int rank, const GroupInf
 // The `reduce` attribute (matmul_reduce_scatter.REDUCE_MODES).
 enum class ReduceMode : int64_t { kChoose = 0, kPass = 1, kEpilogue = 2 };
 
+// How a peer's partial reaches its owner (JAXFLUX_GEMM_RS_PUSH; store and chunks are opt-in
+// experiments, measured in session 6: store correct but 1.0-1.27x slower than copy, chunks
+// -3% to +7% where it changes anything, its GPU tests not run; benchmarks/README.md):
+// - copy (default): the GEMM writes a local staging slot and a copy engine pushes it after the
+//   GEMM (the owner's epilogue or pass waits for the whole push).
+// - store: the GEMM's epilogue stores the partial straight into the owner's receive slot over
+//   NVLink (peer-mapped; TMA stores to a peer address), so it has landed when the GEMM ends: no
+//   staging write, no copy, no push to wait for.
+// - chunks: as copy, but with the epilogue reduction (tp = 2, unbatched) the peer-rows GEMM runs
+//   in row chunks, each pushed (and flagged) as soon as it is done, so the owner's first tiles
+//   wait for one chunk's push, not the whole partial's.
+enum class PushMode { kCopy, kStore, kChunks };
+
+PushMode Push() {
+  static const PushMode mode = [] {
+    const char* env = std::getenv("JAXFLUX_GEMM_RS_PUSH");
+    const std::string v = env != nullptr ? env : "";
+    return v == "store" ? PushMode::kStore : v == "chunks" ? PushMode::kChunks : PushMode::kCopy;
+  }();
+  return mode;
+}
+
 // Whether the own-rows GEMM reduces in its epilogue (tp = 2) rather than in a separate pass.
 // The epilogue saves the pass (it reads both partials and writes the output: ~partial/0.8 TB/s),
 // but its first wave of tiles waits for the whole peer partial, pushed over NVLink (~0.38 TB/s)
@@ -148,17 +173,34 @@ bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k) {
     case ReduceMode::kEpilogue:
       return tp == 2;
     default:
-      return tp == 2 && partial_bytes <= kEpilogueBytesPerK * k;
+      // Pushed by the GEMM itself, or in chunks, the partial (or its first chunk) is there
+      // when the owner's GEMM starts.
+      return tp == 2 && (Push() != PushMode::kCopy || partial_bytes <= kEpilogueBytesPerK * k);
   }
+}
+
+// Rows per pushed chunk of the peer-rows GEMM (PushMode::kChunks with the epilogue reduction,
+// unbatched x): each chunk within the epilogue's measured no-stall size (kEpilogueBytesPerK
+// bytes per K), at most kMaxChunks of them, cut at 128-row tiles; else one chunk of all rows.
+size_t PushChunkRows(const Shapes& s, bool epilogue_reduce) {
+  if (Push() != PushMode::kChunks || !epilogue_reduce || s.batch != 1) return s.m;
+  const size_t budget = kEpilogueBytesPerK * s.k;
+  const size_t bytes = s.m * s.n * s.elem;
+  const size_t chunks = std::clamp<size_t>((bytes + budget - 1) / budget, 1, kMaxChunks);
+  size_t rows = (s.m + chunks - 1) / chunks;
+  rows = (rows + 127) / 128 * 128;
+  return std::min(rows, s.m);
 }
 
 ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator scratch,
                   RankState* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
                   ffi::Buffer<ffi::S32> rank_info, ffi::Result<ffi::AnyBuffer> z, int64_t tp,
                   int64_t num_groups, int64_t site, int64_t generation, int64_t debug_skip_rank,
-                  int64_t reduce_mode) {
+                  int64_t reduce_mode, int64_t transpose_w) {
   Shapes s;
-  if (ffi::Error e = CheckInputs(x, w, rank_info, *z, tp, &s); e.failure()) return e;
+  if (ffi::Error e = CheckInputs(x, w, rank_info, *z, tp, transpose_w, &s); e.failure()) {
+    return e;
+  }
   if (reduce_mode < 0 || reduce_mode > 2 ||
       (static_cast<ReduceMode>(reduce_mode) == ReduceMode::kEpilogue && tp != 2)) {
     return ffi::Error::InvalidArgument("jaxflux matmul_reduce_scatter: reduce must be 0 "
@@ -216,10 +258,12 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   problem.n = static_cast<int>(s.n);
   problem.k = static_cast<int>(s.k);
   problem.device = ordinal;
+  problem.b_kmajor = s.w_kmajor;
   problem.batch = static_cast<int>(s.batch);
   problem.batch_stride_a = static_cast<int64_t>(s.rows * s.k);
   problem.batch_stride_d = static_cast<int64_t>(s.m * s.n);
   const bool epilogue_reduce = EpilogueReduce(tp, reduce_mode, partial_bytes, s.k);
+  const size_t chunk_rows = PushChunkRows(s, epilogue_reduce);  // s.m: one chunk
   const int peer = (rank + 1) % static_cast<int>(tp);  // the only peer when epilogue_reduce
   RsGemmProblem own{};  // the own rows with the reduction in the epilogue (tp = 2)
   if (epilogue_reduce) {
@@ -230,9 +274,9 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     AgGemmWait& wait = own.wait;
     wait = WaitOfThisRank(g, ordinal, epoch, rank_info.typed_data());
     wait.flags[0] = res->ready_flags + flag_index + g.peers[peer];
-    wait.flag_base = flag_value - 1;  // one chunk: landed once the flag reaches flag_value
+    wait.flag_base = flag_value - 1;  // chunk c landed once the flag reaches flag_base + c + 1
     wait.rows_per_shard = static_cast<int>(s.m);
-    wait.chunk_rows = static_cast<int>(s.m);
+    wait.chunk_rows = static_cast<int>(chunk_rows);
     wait.tp = 1;
     wait.op = static_cast<int32_t>(OpCode::kMatmulReduceScatter);
     wait.source_ranks[0] = peer;
@@ -250,6 +294,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     gemm_workspace = *allocation;
   }
   const bool skip = debug_skip_rank == rank;  // test hook: this rank never signals its peers
+  const bool remote_store = Push() == PushMode::kStore;
   for (int i = 1; i <= tp; ++i) {
     const int p = (rank + i) % tp;  // peers first (they wait for us), own rows last
     if (p == rank && epilogue_reduce) {
@@ -259,13 +304,49 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
       JAXFLUX_CUDA(cudaGetLastError());
       break;
     }
+    if (p != rank && chunk_rows < s.m) {  // PushMode::kChunks: the peer's rows chunk by chunk
+      const char* x_p = x_base_of(p);
+      char* stage = stage_base + static_cast<size_t>(p) * slot_bytes;
+      const size_t in_row = s.k * s.elem, out_row = s.n * s.elem;
+      for (size_t row0 = 0, c = 0; row0 < s.m; row0 += chunk_rows, ++c) {
+        const size_t rows = std::min(chunk_rows, s.m - row0);
+        GemmProblem chunk = problem;
+        chunk.a = x_p + row0 * in_row;
+        chunk.d = stage + row0 * out_row;
+        chunk.m = static_cast<int>(rows);
+        if (const char* failure = GemmSm90(s.dtype, chunk, gemm_workspace, stream)) {
+          return Fail(failure);
+        }
+        JAXFLUX_CUDA(cudaGetLastError());
+        JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
+        JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
+        JAXFLUX_CUDA(cudaMemcpyAsync(recv(p, rank) + row0 * out_row, chunk.d, rows * out_row,
+                                     cudaMemcpyDefault, res->side));
+        if (!skip && !WriteFlag(res->side, group.ranks[p]->ready_flags + flag_index + g.slot,
+                                flag_value + c, &failed)) {
+          return Fail(failed);
+        }
+      }
+      continue;
+    }
     problem.a = x_base_of(p);
-    problem.d = p == rank ? recv(rank, rank) : stage_base + static_cast<size_t>(p) * slot_bytes;
+    problem.d = p == rank     ? recv(rank, rank)
+                : remote_store ? recv(p, rank)  // straight into the owner's slot, over NVLink
+                               : stage_base + static_cast<size_t>(p) * slot_bytes;
     if (const char* failure = GemmSm90(s.dtype, problem, gemm_workspace, stream)) {
       return Fail(failure);
     }
     JAXFLUX_CUDA(cudaGetLastError());
     if (p == rank) break;
+    if (remote_store) {
+      // The GEMM's stores to the owner are complete when the kernel is: the flag follows it on
+      // this stream.
+      if (!skip && !WriteFlag(stream, group.ranks[p]->ready_flags + flag_index + g.slot,
+                              flag_value, &failed)) {
+        return Fail(failed);
+      }
+      continue;
+    }
     JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
     JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
     JAXFLUX_CUDA(cudaMemcpyAsync(recv(p, rank), problem.d, partial_bytes, cudaMemcpyDefault,
@@ -304,9 +385,9 @@ ffi::Error GemmRsSiteCached(cudaStream_t stream, int32_t ordinal, ffi::ScratchAl
                             ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank_info,
                             ffi::Result<ffi::AnyBuffer> z, int64_t tp, int64_t num_groups,
                             int64_t site, int64_t generation, int64_t debug_skip_rank,
-                            int64_t reduce_mode) {
+                            int64_t reduce_mode, int64_t transpose_w) {
   return GemmRs(stream, ordinal, std::move(scratch), nullptr, x, w, rank_info, z, tp, num_groups,
-                site, generation, debug_skip_rank, reduce_mode);
+                site, generation, debug_skip_rank, reduce_mode, transpose_w);
 }
 
 }  // namespace
@@ -319,7 +400,7 @@ ffi::Error GemmRsSiteCached(cudaStream_t stream, int32_t ordinal, ffi::ScratchAl
       .Ctx<xla::ffi::ScratchAllocator>()             /* CUTLASS scratch, if any */     \
       __VA_ARGS__                                                                      \
       .Arg<xla::ffi::AnyBuffer>()                    /* x: [..., M, K] */              \
-      .Arg<xla::ffi::AnyBuffer>()                    /* w: [K, N] */                   \
+      .Arg<xla::ffi::AnyBuffer>()                    /* w: [K, N] or [N, K] */         \
       .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        /* rank_info */                   \
       .Ret<xla::ffi::AnyBuffer>()                    /* z: [..., M/tp, N] */           \
       .Attr<int64_t>("tp")                                                             \
@@ -327,7 +408,8 @@ ffi::Error GemmRsSiteCached(cudaStream_t stream, int32_t ordinal, ffi::ScratchAl
       .Attr<int64_t>("site")                                                           \
       .Attr<int64_t>("generation")                                                     \
       .Attr<int64_t>("debug_skip_rank")                                                \
-      .Attr<int64_t>("reduce")
+      .Attr<int64_t>("reduce")                                                         \
+      .Attr<int64_t>("transpose_w") /* 1: w is [N, K], the weight transposed */
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxGemmRsExecute, jaxflux::GemmRs,
                               JAXFLUX_GEMM_RS_BINDING(

@@ -15,8 +15,8 @@ using Tiles1 = gemm_sm90::TileConfig<128, 256, 1, 2, false>;  // kCoop128x256Clu
 using Tiles2 = gemm_sm90::TileConfig<256, 128, 1, 2, false>;  // kCoop256x128Cluster1x2
 using Tiles3 = gemm_sm90::TileConfig<128, 128, 1, 2, true>;   // kPingpong128x128Cluster1x2
 
-template <class Element, class Tiles>
-using Config = gemm_sm90::Config<Element, AgGemmSchedulerTag, Tiles>;
+template <class Element, class Tiles, class LayoutB>
+using Config = gemm_sm90::Config<Element, AgGemmSchedulerTag, Tiles, void, LayoutB>;
 
 // Swizzle of the tile order (CUTLASS max_swizzle_size: 1, 2, 4 or 8 M-tile cluster rows swept
 // together along N, for L2 reuse of B). 4 measured best for the fused kernel on llama70b-fc1
@@ -30,9 +30,9 @@ inline int Swizzle() {
   return value;
 }
 
-template <class Element, class Tiles>
-typename Config<Element, Tiles>::Gemm::Arguments MakeArguments(const AgGemmProblem& p) {
-  using C = Config<Element, Tiles>;
+template <class Element, class Tiles, class LayoutB>
+typename Config<Element, Tiles, LayoutB>::Gemm::Arguments MakeArguments(const AgGemmProblem& p) {
+  using C = Config<Element, Tiles, LayoutB>;
   constexpr int kTileM = cute::get<0>(typename C::Tile{});
   constexpr int kClusterM = cute::get<0>(typename C::Cluster{});
   auto args = gemm_sm90::MakeArguments<C>(p.gemm);
@@ -52,28 +52,31 @@ typename Config<Element, Tiles>::Gemm::Arguments MakeArguments(const AgGemmProbl
   return args;
 }
 
-template <class Element, class Tiles>
+template <class Element, class Tiles, class LayoutB>
 size_t WorkspaceBytes(const AgGemmProblem& p) {
-  return Config<Element, Tiles>::Gemm::get_workspace_size(MakeArguments<Element, Tiles>(p));
+  return Config<Element, Tiles, LayoutB>::Gemm::get_workspace_size(
+      MakeArguments<Element, Tiles, LayoutB>(p));
 }
 
-template <class Element, class Tiles>
+template <class Element, class Tiles, class LayoutB>
 const char* Run(const AgGemmProblem& p, void* workspace, cudaStream_t stream) {
-  return gemm_sm90::Launch<Config<Element, Tiles>>(MakeArguments<Element, Tiles>(p), workspace,
-                                                   stream);
+  return gemm_sm90::Launch<Config<Element, Tiles, LayoutB>>(
+      MakeArguments<Element, Tiles, LayoutB>(p), workspace, stream);
 }
 
 }  // namespace jaxflux::ag_gemm_sm90
 
-// One instantiation per (element type, tile config) and .cu file, so they compile in parallel:
-// defines the two entry points that ag_gemm_sm90.cc's dispatch table lists.
-#define JAXFLUX_AG_GEMM_INSTANCE(NAME, ELEMENT, TILES)                                    \
+// One instantiation per (element type, tile config, B layout) and .cu file, so they compile in
+// parallel: defines the two entry points that ag_gemm_sm90_dispatch.cu's table lists.
+#define JAXFLUX_AG_GEMM_INSTANCE(NAME, ELEMENT, TILES, LAYOUT_B)                          \
   namespace jaxflux {                                                                     \
   size_t AgGemmWorkspaceBytes_##NAME(const AgGemmProblem& problem) {                      \
-    return ag_gemm_sm90::WorkspaceBytes<ELEMENT, ag_gemm_sm90::TILES>(problem);           \
+    return ag_gemm_sm90::WorkspaceBytes<ELEMENT, ag_gemm_sm90::TILES,                     \
+                                        gemm_sm90::LAYOUT_B>(problem);                    \
   }                                                                                       \
   const char* AgGemmRun_##NAME(const AgGemmProblem& problem, void* workspace,             \
                                cudaStream_t stream) {                                     \
-    return ag_gemm_sm90::Run<ELEMENT, ag_gemm_sm90::TILES>(problem, workspace, stream);   \
+    return ag_gemm_sm90::Run<ELEMENT, ag_gemm_sm90::TILES, gemm_sm90::LAYOUT_B>(          \
+        problem, workspace, stream);                                                      \
   }                                                                                       \
   }  // namespace jaxflux

@@ -1,5 +1,5 @@
-// Dispatch of the fused AllGather+GEMM over (dtype, tile config) to the instantiations in
-// ag_gemm_sm90_{bf16,f16}_c*.cu, and the choice of config. No CUTLASS here (compiles fast).
+// Dispatch of the fused AllGather+GEMM over (dtype, B layout, tile config) to the
+// instantiations in ag_gemm_sm90_{bf16,f16}_c*[_kmajor].cu, and the choice of config. No CUTLASS here (compiles fast).
 #include <cstdlib>
 
 #include "xla_ffi/kernels/ag_gemm_sm90.h"
@@ -15,10 +15,18 @@ JAXFLUX_DECLARE_AG_GEMM(bf16_c0)
 JAXFLUX_DECLARE_AG_GEMM(bf16_c1)
 JAXFLUX_DECLARE_AG_GEMM(bf16_c2)
 JAXFLUX_DECLARE_AG_GEMM(bf16_c3)
+JAXFLUX_DECLARE_AG_GEMM(bf16_c0_kmajor)
+JAXFLUX_DECLARE_AG_GEMM(bf16_c1_kmajor)
+JAXFLUX_DECLARE_AG_GEMM(bf16_c2_kmajor)
+JAXFLUX_DECLARE_AG_GEMM(bf16_c3_kmajor)
 JAXFLUX_DECLARE_AG_GEMM(f16_c0)
 JAXFLUX_DECLARE_AG_GEMM(f16_c1)
 JAXFLUX_DECLARE_AG_GEMM(f16_c2)
 JAXFLUX_DECLARE_AG_GEMM(f16_c3)
+JAXFLUX_DECLARE_AG_GEMM(f16_c0_kmajor)
+JAXFLUX_DECLARE_AG_GEMM(f16_c1_kmajor)
+JAXFLUX_DECLARE_AG_GEMM(f16_c2_kmajor)
+JAXFLUX_DECLARE_AG_GEMM(f16_c3_kmajor)
 #undef JAXFLUX_DECLARE_AG_GEMM
 
 namespace {
@@ -28,22 +36,29 @@ struct Entry {
   const char* (*run)(const AgGemmProblem&, void*, cudaStream_t);
 };
 
-// [dtype][config], in AgGemmConfig order.
-constexpr Entry kTable[2][kAgGemmNumConfigs] = {
-    {{AgGemmWorkspaceBytes_bf16_c0, AgGemmRun_bf16_c0},
-     {AgGemmWorkspaceBytes_bf16_c1, AgGemmRun_bf16_c1},
-     {AgGemmWorkspaceBytes_bf16_c2, AgGemmRun_bf16_c2},
-     {AgGemmWorkspaceBytes_bf16_c3, AgGemmRun_bf16_c3}},
-    {{AgGemmWorkspaceBytes_f16_c0, AgGemmRun_f16_c0},
-     {AgGemmWorkspaceBytes_f16_c1, AgGemmRun_f16_c1},
-     {AgGemmWorkspaceBytes_f16_c2, AgGemmRun_f16_c2},
-     {AgGemmWorkspaceBytes_f16_c3, AgGemmRun_f16_c3}},
-};
+// [dtype][B K-major][config], in AgGemmConfig order.
+constexpr Entry kTable[2][2][kAgGemmNumConfigs] = {
+    {{{AgGemmWorkspaceBytes_bf16_c0, AgGemmRun_bf16_c0},
+      {AgGemmWorkspaceBytes_bf16_c1, AgGemmRun_bf16_c1},
+      {AgGemmWorkspaceBytes_bf16_c2, AgGemmRun_bf16_c2},
+      {AgGemmWorkspaceBytes_bf16_c3, AgGemmRun_bf16_c3}},
+     {{AgGemmWorkspaceBytes_bf16_c0_kmajor, AgGemmRun_bf16_c0_kmajor},
+      {AgGemmWorkspaceBytes_bf16_c1_kmajor, AgGemmRun_bf16_c1_kmajor},
+      {AgGemmWorkspaceBytes_bf16_c2_kmajor, AgGemmRun_bf16_c2_kmajor},
+      {AgGemmWorkspaceBytes_bf16_c3_kmajor, AgGemmRun_bf16_c3_kmajor}}},
+    {{{AgGemmWorkspaceBytes_f16_c0, AgGemmRun_f16_c0},
+      {AgGemmWorkspaceBytes_f16_c1, AgGemmRun_f16_c1},
+      {AgGemmWorkspaceBytes_f16_c2, AgGemmRun_f16_c2},
+      {AgGemmWorkspaceBytes_f16_c3, AgGemmRun_f16_c3}},
+     {{AgGemmWorkspaceBytes_f16_c0_kmajor, AgGemmRun_f16_c0_kmajor},
+      {AgGemmWorkspaceBytes_f16_c1_kmajor, AgGemmRun_f16_c1_kmajor},
+      {AgGemmWorkspaceBytes_f16_c2_kmajor, AgGemmRun_f16_c2_kmajor},
+      {AgGemmWorkspaceBytes_f16_c3_kmajor, AgGemmRun_f16_c3_kmajor}}}};
 
-const Entry& Lookup(GemmDtype dtype, AgGemmConfig config) {
-  int c = static_cast<int>(config);
+const Entry& Lookup(GemmDtype dtype, const AgGemmProblem& problem) {
+  int c = static_cast<int>(problem.config);
   if (c < 0 || c >= kAgGemmNumConfigs) c = 0;
-  return kTable[dtype == GemmDtype::kF16 ? 1 : 0][c];
+  return kTable[dtype == GemmDtype::kF16 ? 1 : 0][problem.gemm.b_kmajor ? 1 : 0][c];
 }
 
 }  // namespace
@@ -69,12 +84,12 @@ AgGemmConfig ChooseAgGemmConfig(const GemmProblem& problem) {
 }
 
 size_t AgGemmSm90WorkspaceBytes(GemmDtype dtype, const AgGemmProblem& problem) {
-  return Lookup(dtype, problem.config).workspace_bytes(problem);
+  return Lookup(dtype, problem).workspace_bytes(problem);
 }
 
 const char* AgGemmSm90(GemmDtype dtype, const AgGemmProblem& problem, void* workspace,
                        cudaStream_t stream) {
-  return Lookup(dtype, problem.config).run(problem, workspace, stream);
+  return Lookup(dtype, problem).run(problem, workspace, stream);
 }
 
 }  // namespace jaxflux

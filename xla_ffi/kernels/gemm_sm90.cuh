@@ -37,14 +37,19 @@ struct TileConfig {
 // The measured stock config closest to cuBLAS on the benchmark shapes.
 using DefaultTiles = TileConfig<128, 256, 2, 1, false>;
 
+// B's layouts: [K,N] row-major (N-major), or given as Bᵀ [N,K] row-major (K-major).
+using NMajorB = cutlass::layout::RowMajor;
+using KMajorB = cutlass::layout::ColumnMajor;
+
 // SchedulerTag: void = CUTLASS's static persistent scheduler (GEMM-only op); the fused ops plug
 // in their own (ag_gemm_scheduler_sm90.cuh). ElementC: void = no source operand (D = A·B);
 // Element = D = A·B + C (the fused GEMM+ReduceScatter's own rows, rs_gemm_sm90.cuh).
+// LayoutB: NMajorB or KMajorB (GemmProblem::b_kmajor).
 template <class Element_, class SchedulerTag = void, class Tiles = DefaultTiles,
-          class ElementC = void>
+          class ElementC = void, class LayoutB = NMajorB>
 struct Config {
   using Element = Element_;
-  using Layout = cutlass::layout::RowMajor;  // A [M,K], B [K,N] (N-major B), D [M,N]
+  using Layout = cutlass::layout::RowMajor;  // A [M,K], C and D [M,N]
   static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte accesses
   using Tile = typename Tiles::Tile;
   using Cluster = typename Tiles::Cluster;
@@ -57,7 +62,7 @@ struct Config {
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, Layout, kAlign, Element,
-      Layout, kAlign, float, Tile, Cluster,
+      LayoutB, kAlign, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Tiles::MainloopSchedule>::CollectiveOp;
@@ -110,12 +115,20 @@ const char* Launch(const typename C::Gemm::Arguments& args, void* workspace,
 
 template <class Element>
 size_t WorkspaceBytes(const GemmProblem& p) {
+  if (p.b_kmajor) {
+    using C = Config<Element, void, DefaultTiles, void, KMajorB>;
+    return C::Gemm::get_workspace_size(MakeArguments<C>(p));
+  }
   using C = Config<Element>;
   return C::Gemm::get_workspace_size(MakeArguments<C>(p));
 }
 
 template <class Element>
 const char* Run(const GemmProblem& p, void* workspace, cudaStream_t stream) {
+  if (p.b_kmajor) {
+    using C = Config<Element, void, DefaultTiles, void, KMajorB>;
+    return Launch<C>(MakeArguments<C>(p), workspace, stream);
+  }
   using C = Config<Element>;
   return Launch<C>(MakeArguments<C>(p), workspace, stream);
 }

@@ -1,6 +1,6 @@
 // GEMM-only mode of the fused kernels' GEMM: D[M,N] = A[M,K] · B[K,N], row-major, bf16 or fp16
-// in and out, fp32 accumulation, on Hopper (sm_90a). Plain C++ interface: the FFI handler and
-// nanobind never see CUTLASS.
+// in and out, fp32 accumulation, on Hopper (sm_90a); B may also be given transposed (b_kmajor).
+// Plain C++ interface: the FFI handler and nanobind never see CUTLASS.
 #pragma once
 
 #include <cstddef>
@@ -14,13 +14,16 @@ enum class GemmDtype { kBF16, kF16 };
 
 struct GemmProblem {
   const void* a;  // [m, k] row-major (rows contiguous, leading dimension k)
-  const void* b;  // [k, n] row-major, shared by every batch entry
+  const void* b;  // [k, n] row-major (or [n, k] with b_kmajor), shared by every batch entry
   void* d;        // [m, n] row-major
   int m, n, k;
   int device;     // CUDA ordinal (for the SM count the persistent scheduler sizes its grid by)
   // Batched problems (L mode): `batch` entries, a and d advancing by these element strides.
   int batch = 1;
   int64_t batch_stride_a = 0, batch_stride_d = 0;
+  // b holds Bᵀ, [n, k] row-major (K-major B, wgmma's native layout): D = A · bᵀ. The backward
+  // passes use the forward weight this way instead of a transposed copy XLA would materialize.
+  bool b_kmajor = false;
 };
 
 // Bytes of scratch the kernel needs for this problem (0 for the current config).

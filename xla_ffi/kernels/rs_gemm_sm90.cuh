@@ -11,19 +11,24 @@ namespace jaxflux::rs_gemm_sm90 {
 
 // The default tile config (cooperative 128x256, 2x1 clusters): its producer warp 2 loads C,
 // which is what the scheduler's epilogue_load_only wait assumes.
-template <class Element>
+template <class Element, class LayoutB>
 using Config =
-    gemm_sm90::Config<Element, AgGemmSchedulerTag, gemm_sm90::DefaultTiles, Element>;
+    gemm_sm90::Config<Element, AgGemmSchedulerTag, gemm_sm90::DefaultTiles, Element, LayoutB>;
 
-template <class Element>
-typename Config<Element>::Gemm::Arguments MakeArguments(const RsGemmProblem& p) {
-  using C = Config<Element>;
+template <class Element, class LayoutB>
+typename Config<Element, LayoutB>::Gemm::Arguments MakeArguments(const RsGemmProblem& p) {
+  using C = Config<Element, LayoutB>;
   constexpr int kTileM = cute::get<0>(typename C::Tile{});
   constexpr int kClusterM = cute::get<0>(typename C::Cluster{});
   auto args = gemm_sm90::MakeArguments<C>(p.gemm);
   args.epilogue.ptr_C = static_cast<const Element*>(p.c);
   args.epilogue.thread.beta = 1.0f;  // D = A·B + C
   auto& s = args.scheduler;  // CUTLASS's tile order; every tile waits on the same flag
+  if (p.wait.chunk_rows < p.wait.rows_per_shard) {
+    // The peer's partial lands in row chunks, in order: sweep the rows in that order too.
+    using Options = typename C::Kernel::TileScheduler::RasterOrderOptions;
+    s.raster_order = Options::AlongN;
+  }
   s.wait = p.wait;
   s.wait_for_flags = 1;
   const int tiles = (p.gemm.m + kTileM - 1) / kTileM;
@@ -33,14 +38,28 @@ typename Config<Element>::Gemm::Arguments MakeArguments(const RsGemmProblem& p) 
   return args;
 }
 
+template <class Element, class LayoutB>
+size_t WorkspaceBytesOf(const RsGemmProblem& p) {
+  return Config<Element, LayoutB>::Gemm::get_workspace_size(MakeArguments<Element, LayoutB>(p));
+}
+
+template <class Element, class LayoutB>
+const char* RunOf(const RsGemmProblem& p, void* workspace, cudaStream_t stream) {
+  return gemm_sm90::Launch<Config<Element, LayoutB>>(MakeArguments<Element, LayoutB>(p),
+                                                     workspace, stream);
+}
+
+// B's layout from the problem (GemmProblem::b_kmajor).
 template <class Element>
 size_t WorkspaceBytes(const RsGemmProblem& p) {
-  return Config<Element>::Gemm::get_workspace_size(MakeArguments<Element>(p));
+  return p.gemm.b_kmajor ? WorkspaceBytesOf<Element, gemm_sm90::KMajorB>(p)
+                         : WorkspaceBytesOf<Element, gemm_sm90::NMajorB>(p);
 }
 
 template <class Element>
 const char* Run(const RsGemmProblem& p, void* workspace, cudaStream_t stream) {
-  return gemm_sm90::Launch<Config<Element>>(MakeArguments<Element>(p), workspace, stream);
+  return p.gemm.b_kmajor ? RunOf<Element, gemm_sm90::KMajorB>(p, workspace, stream)
+                         : RunOf<Element, gemm_sm90::NMajorB>(p, workspace, stream);
 }
 
 }  // namespace jaxflux::rs_gemm_sm90
