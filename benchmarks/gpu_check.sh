@@ -20,8 +20,9 @@
 #             their GPU tests and gradients, then timed against the usual weight (~5 min)
 #   kmajortrain  60 training steps of issue 7's jaxflux and xla modes, side by side (~6 min)
 #   rspush    experiment: GEMM+RS with JAXFLUX_GEMM_RS_PUSH=$RS_PUSH (store: the GEMM stores the
-#             peers' partials into the owners' slots; chunks: pushed in row chunks; default
-#             store): its GPU tests, then timed against the copy push (~7 min)
+#             peers' partials into the owners' slots; chunks: the peer GEMM and its push in row
+#             chunks; split: one peer GEMM, its push in row chunks; default store): its GPU
+#             tests, then timed against the copy push (~7 min)
 # Needs .whl/ with the CUTLASS wheel (pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0),
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
