@@ -138,13 +138,20 @@ enum class ReduceMode : int64_t { kChoose = 0, kPass = 1, kEpilogue = 2 };
 // - chunks: as copy, but with the epilogue reduction (tp = 2, unbatched) the peer-rows GEMM runs
 //   in row chunks, each pushed (and flagged) as soon as it is done, so the owner's first tiles
 //   wait for one chunk's push, not the whole partial's.
-enum class PushMode { kCopy, kStore, kChunks };
+// - split: as chunks, but the peer-rows GEMM stays one launch (no extra partly empty last
+//   waves); only its push is cut into kMaxChunks row chunks, each flagged as it lands, so the
+//   owner's first tiles wait for a quarter of the push (~40 us for 16 MiB), about what one wave
+//   of its own GEMM takes before its first epilogue needs the data.
+enum class PushMode { kCopy, kStore, kChunks, kSplit };
 
 PushMode Push() {
   static const PushMode mode = [] {
     const char* env = std::getenv("JAXFLUX_GEMM_RS_PUSH");
     const std::string v = env != nullptr ? env : "";
-    return v == "store" ? PushMode::kStore : v == "chunks" ? PushMode::kChunks : PushMode::kCopy;
+    return v == "store"    ? PushMode::kStore
+           : v == "chunks" ? PushMode::kChunks
+           : v == "split"  ? PushMode::kSplit
+                           : PushMode::kCopy;
   }();
   return mode;
 }
@@ -179,14 +186,23 @@ bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k) {
   }
 }
 
-// Rows per pushed chunk of the peer-rows GEMM (PushMode::kChunks with the epilogue reduction,
-// unbatched x): each chunk within the epilogue's measured no-stall size (kEpilogueBytesPerK
-// bytes per K), at most kMaxChunks of them, cut at 128-row tiles; else one chunk of all rows.
+// Rows per pushed chunk of the peer's partial (PushMode::kChunks or kSplit with the epilogue
+// reduction, unbatched x), cut at 128-row tiles; s.m (one chunk) when the partial is within the
+// epilogue's measured no-stall size (kEpilogueBytesPerK bytes per K). Chunks: as few chunks as
+// keep each within that size (each is a GEMM launch), at most kMaxChunks. Split: kMaxChunks
+// (a chunk costs only a copy and a flag).
 size_t PushChunkRows(const Shapes& s, bool epilogue_reduce) {
-  if (Push() != PushMode::kChunks || !epilogue_reduce || s.batch != 1) return s.m;
+  const PushMode mode = Push();
+  if ((mode != PushMode::kChunks && mode != PushMode::kSplit) || !epilogue_reduce ||
+      s.batch != 1) {
+    return s.m;
+  }
   const size_t budget = kEpilogueBytesPerK * s.k;
   const size_t bytes = s.m * s.n * s.elem;
-  const size_t chunks = std::clamp<size_t>((bytes + budget - 1) / budget, 1, kMaxChunks);
+  if (bytes <= budget) return s.m;
+  const size_t chunks = mode == PushMode::kSplit
+                            ? kMaxChunks
+                            : std::clamp<size_t>((bytes + budget - 1) / budget, 1, kMaxChunks);
   size_t rows = (s.m + chunks - 1) / chunks;
   rows = (rows + 127) / 128 * 128;
   return std::min(rows, s.m);
@@ -303,6 +319,29 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
       }
       JAXFLUX_CUDA(cudaGetLastError());
       break;
+    }
+    if (p != rank && chunk_rows < s.m && Push() == PushMode::kSplit) {
+      // One GEMM of the peer's rows, then its partial pushed chunk by chunk, each flagged.
+      problem.a = x_base_of(p);
+      problem.d = stage_base + static_cast<size_t>(p) * slot_bytes;
+      if (const char* failure = GemmSm90(s.dtype, problem, gemm_workspace, stream)) {
+        return Fail(failure);
+      }
+      JAXFLUX_CUDA(cudaGetLastError());
+      JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
+      JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
+      const size_t out_row = s.n * s.elem;
+      const char* stage = static_cast<const char*>(problem.d);
+      for (size_t row0 = 0, c = 0; row0 < s.m; row0 += chunk_rows, ++c) {
+        const size_t rows = std::min(chunk_rows, s.m - row0);
+        JAXFLUX_CUDA(cudaMemcpyAsync(recv(p, rank) + row0 * out_row, stage + row0 * out_row,
+                                     rows * out_row, cudaMemcpyDefault, res->side));
+        if (!skip && !WriteFlag(res->side, group.ranks[p]->ready_flags + flag_index + g.slot,
+                                flag_value + c, &failed)) {
+          return Fail(failed);
+        }
+      }
+      continue;
     }
     if (p != rank && chunk_rows < s.m) {  // PushMode::kChunks: the peer's rows chunk by chunk
       const char* x_p = x_base_of(p);
