@@ -19,10 +19,9 @@
 #   kmajor    the fused ops with the weight given transposed (the backward's way, read K-major):
 #             their GPU tests and gradients, then timed against the usual weight (~5 min)
 #   kmajortrain  60 training steps of issue 7's jaxflux and xla modes, side by side (~6 min)
-#   rspush    experiment: GEMM+RS with JAXFLUX_GEMM_RS_PUSH=$RS_PUSH (store: the GEMM stores the
-#             peers' partials into the owners' slots; chunks: the peer GEMM and its push in row
-#             chunks; split: one peer GEMM, its push in row chunks; default store): its GPU
-#             tests, then timed against the copy push (~7 min)
+#   rspush    experiment: GEMM+RS with JAXFLUX_GEMM_RS_PUSH=$RS_PUSH (chunks: the peer GEMM and
+#             its push in row chunks; split: one peer GEMM, its push in row chunks; default
+#             split): its GPU tests, then timed against the copy push (~7 min)
 #   localdirect  AG+GEMM reading its own rows straight from x (JAXFLUX_AG_GEMM_LOCAL=direct, the
 #             default) against copying them in first (=copy): interleaved runs at M=2048,8192,
 #             then one with the GEMM-alone and GEMM-only columns (~5 min; the GPU tests of
@@ -155,7 +154,7 @@ if stage kmajortrain; then
 fi
 
 if stage rspush; then
-  push=${RS_PUSH:-store}
+  push=${RS_PUSH:-split}
   JAXFLUX_GEMM_RS_PUSH=$push timeout 300 python3 -m pytest -q -rs -m gpu tests/test_gemm_rs_gpu.py \
     -p no:cacheprovider -o faulthandler_timeout=90 > "$OUTDIR/gemm_rs_${push}_tests.log" 2>&1 \
     || status=1

@@ -127,14 +127,12 @@ ffi::Error Finish(cudaStream_t stream, int32_t ordinal, int rank, const GroupInf
 // The `reduce` attribute (matmul_reduce_scatter.REDUCE_MODES).
 enum class ReduceMode : int64_t { kChoose = 0, kPass = 1, kEpilogue = 2 };
 
-// How a peer's partial reaches its owner (JAXFLUX_GEMM_RS_PUSH; store and chunks are opt-in
-// experiments, measured in session 6: store correct but 1.0-1.27x slower than copy, chunks
-// -3% to +7% where it changes anything, its GPU tests not run; benchmarks/README.md):
+// How a peer's partial reaches its owner (JAXFLUX_GEMM_RS_PUSH; chunks and split are opt-in
+// experiments; benchmarks/README.md has session 6's measurements, including those of a removed
+// `store` mode, the GEMM storing straight into the owner's slot over NVLink: correct, but
+// 1.0-1.27x slower than copy):
 // - copy (default): the GEMM writes a local staging slot and a copy engine pushes it after the
 //   GEMM (the owner's epilogue or pass waits for the whole push).
-// - store: the GEMM's epilogue stores the partial straight into the owner's receive slot over
-//   NVLink (peer-mapped; TMA stores to a peer address), so it has landed when the GEMM ends: no
-//   staging write, no copy, no push to wait for.
 // - chunks: as copy, but with the epilogue reduction (tp = 2, unbatched) the peer-rows GEMM runs
 //   in row chunks, each pushed (and flagged) as soon as it is done, so the owner's first tiles
 //   wait for one chunk's push, not the whole partial's.
@@ -142,16 +140,13 @@ enum class ReduceMode : int64_t { kChoose = 0, kPass = 1, kEpilogue = 2 };
 //   waves); only its push is cut into kMaxChunks row chunks, each flagged as it lands, so the
 //   owner's first tiles wait for a quarter of the push (~40 us for 16 MiB), about what one wave
 //   of its own GEMM takes before its first epilogue needs the data.
-enum class PushMode { kCopy, kStore, kChunks, kSplit };
+enum class PushMode { kCopy, kChunks, kSplit };
 
 PushMode Push() {
   static const PushMode mode = [] {
     const char* env = std::getenv("JAXFLUX_GEMM_RS_PUSH");
     const std::string v = env != nullptr ? env : "";
-    return v == "store"    ? PushMode::kStore
-           : v == "chunks" ? PushMode::kChunks
-           : v == "split"  ? PushMode::kSplit
-                           : PushMode::kCopy;
+    return v == "chunks" ? PushMode::kChunks : v == "split" ? PushMode::kSplit : PushMode::kCopy;
   }();
   return mode;
 }
@@ -180,8 +175,8 @@ bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k) {
     case ReduceMode::kEpilogue:
       return tp == 2;
     default:
-      // Pushed by the GEMM itself, or in chunks, the partial (or its first chunk) is there
-      // when the owner's GEMM starts.
+      // Pushed in chunks, the partial's first chunk is there soon after the owner's GEMM
+      // starts.
       return tp == 2 && (Push() != PushMode::kCopy || partial_bytes <= kEpilogueBytesPerK * k);
   }
 }
@@ -310,7 +305,6 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     gemm_workspace = *allocation;
   }
   const bool skip = debug_skip_rank == rank;  // test hook: this rank never signals its peers
-  const bool remote_store = Push() == PushMode::kStore;
   for (int i = 1; i <= tp; ++i) {
     const int p = (rank + i) % tp;  // peers first (they wait for us), own rows last
     if (p == rank && epilogue_reduce) {
@@ -369,23 +363,12 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
       continue;
     }
     problem.a = x_base_of(p);
-    problem.d = p == rank     ? recv(rank, rank)
-                : remote_store ? recv(p, rank)  // straight into the owner's slot, over NVLink
-                               : stage_base + static_cast<size_t>(p) * slot_bytes;
+    problem.d = p == rank ? recv(rank, rank) : stage_base + static_cast<size_t>(p) * slot_bytes;
     if (const char* failure = GemmSm90(s.dtype, problem, gemm_workspace, stream)) {
       return Fail(failure);
     }
     JAXFLUX_CUDA(cudaGetLastError());
     if (p == rank) break;
-    if (remote_store) {
-      // The GEMM's stores to the owner are complete when the kernel is: the flag follows it on
-      // this stream.
-      if (!skip && !WriteFlag(stream, group.ranks[p]->ready_flags + flag_index + g.slot,
-                              flag_value, &failed)) {
-        return Fail(failed);
-      }
-      continue;
-    }
     JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
     JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
     JAXFLUX_CUDA(cudaMemcpyAsync(recv(p, rank), problem.d, partial_bytes, cudaMemcpyDefault,
