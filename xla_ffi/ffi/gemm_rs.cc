@@ -128,8 +128,9 @@ ffi::Error Finish(cudaStream_t stream, int32_t ordinal, int rank, const GroupInf
 enum class ReduceMode : int64_t { kChoose = 0, kPass = 1, kEpilogue = 2 };
 
 // How a peer's partial reaches its owner (JAXFLUX_GEMM_RS_PUSH; store and chunks are opt-in
-// experiments, measured in session 6: store correct but 1.0-1.27x slower than copy, chunks
-// -3% to +7% where it changes anything, its GPU tests not run; benchmarks/README.md):
+// experiments, measured in session 6: store correct but 0.99-1.27x copy's time, slower on 15
+// of 16 rows; chunks -3% to +7% where it changes anything, its GPU tests not run;
+// benchmarks/README.md):
 // - copy (default): the GEMM writes a local staging slot and a copy engine pushes it after the
 //   GEMM (the owner's epilogue or pass waits for the whole push).
 // - store: the GEMM's epilogue stores the partial straight into the owner's receive slot over
