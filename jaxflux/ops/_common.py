@@ -82,10 +82,12 @@ def resolve_impl(op: str, impl: str, x, w, fused_supported, auto_prefers_fused=N
 
 
 def resolve_on_axis(op: str, impl: str, x, w, preferred_element_type, axis_name,
-                    unsupported_reason, auto_prefers_fused) -> str:
+                    unsupported_reason, auto_prefers_fused, transpose_w: bool = False) -> str:
   """resolve_impl for an op inside shard_map: `unsupported_reason(x, w, preferred_element_type,
-  tp, axis_name)` and `auto_prefers_fused(x, w, tp)` are the op's own rules, given the axis."""
+  tp, axis_name)` and `auto_prefers_fused(x, w, tp)` are the op's own rules, given the axis.
+  With transpose_w, w is given as [N, K] and the rules see the [K, N] it stands for."""
   tp = lax.axis_size(axis_name)
+  w = weight_for_checks(w, transpose_w)
   return resolve_impl(
       op, impl, x, w,
       lambda x, w: unsupported_reason(x, w, preferred_element_type, tp, axis_name),
@@ -200,10 +202,10 @@ def matmul(x, w, *, precision, preferred_element_type, transpose_w=False):
                          precision=precision, preferred_element_type=preferred_element_type)
 
 
-def transposed_shape(w):
-  """The weight the op multiplies by when it is given transposed: an abstract [K, N] for the
-  checks that read w's shape and dtype."""
-  return jax.ShapeDtypeStruct(w.shape[::-1], w.dtype)
+def weight_for_checks(w, transpose_w: bool):
+  """The weight an op multiplies by, for the checks that read its shape and dtype: w itself,
+  or, when w is given transposed, an abstract [K, N] standing for wᵀ."""
+  return jax.ShapeDtypeStruct(w.shape[::-1], w.dtype) if transpose_w else w
 
 
 def weight_grad(lhs, dout, *, precision, dtype):

@@ -63,14 +63,9 @@ def apply(x, w, axis_name, return_gathered, impl, preferred_element_type, precis
           transpose_w):
   """all_gather_matmul of checked operands, by w or, with transpose_w, by wᵀ (w is then [n, K]:
   matmul_reduce_scatter's backward passes its forward weight so)."""
-  _resolve(impl, x, _weight(w, transpose_w), preferred_element_type, axis_name)
+  _resolve(impl, x, w, preferred_element_type, axis_name, transpose_w)
   return _all_gather_matmul(x, w, axis_name, return_gathered, impl,
                             _common.static_dtype(preferred_element_type), precision, transpose_w)
-
-
-def _weight(w, transpose_w):
-  """What the checks see as the weight: w, or the [K, n] it stands for when transposed."""
-  return _common.transposed_shape(w) if transpose_w else w
 
 
 def _fused_unsupported_reason(x, w, preferred_element_type, tp: int,
@@ -97,9 +92,10 @@ def _auto_prefers_fused(x, w, tp: int) -> bool:
   return tp in AUTO_FUSED_TP and rows >= AUTO_FUSED_MIN_ROWS
 
 
-def _resolve(impl, x, w, preferred_element_type, axis_name) -> str:
+def _resolve(impl, x, w, preferred_element_type, axis_name, transpose_w=False) -> str:
   return _common.resolve_on_axis("all_gather_matmul", impl, x, w, preferred_element_type,
-                                 axis_name, _fused_unsupported_reason, _auto_prefers_fused)
+                                 axis_name, _fused_unsupported_reason, _auto_prefers_fused,
+                                 transpose_w)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
@@ -113,7 +109,7 @@ def _all_gather_matmul(x, w, axis_name, return_gathered, impl, preferred_element
 def _forward(x, w, axis_name, impl, preferred_element_type, precision, want_gathered,
              transpose_w):
   """(y, x_full); x_full is None when not wanted and the fused kernel runs."""
-  if _resolve(impl, x, _weight(w, transpose_w), preferred_element_type, axis_name) == "fused":
+  if _resolve(impl, x, w, preferred_element_type, axis_name, transpose_w) == "fused":
     return _fused(x, w, axis_name, want_gathered, transpose_w=transpose_w)
   x_full = lax.all_gather(x, axis_name, axis=x.ndim - 2, tiled=True)
   y = _common.matmul(x_full, w, precision=precision,

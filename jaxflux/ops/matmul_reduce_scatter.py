@@ -63,15 +63,10 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, impl: str = "auto",
 def apply(x, w, axis_name, impl, preferred_element_type, precision, *, transpose_w):
   """matmul_reduce_scatter of checked operands, by w or, with transpose_w, by wᵀ (w is then
   [N, k]: all_gather_matmul's backward passes its forward weight so)."""
-  _resolve(impl, x, _weight(w, transpose_w), preferred_element_type, axis_name)
+  _resolve(impl, x, w, preferred_element_type, axis_name, transpose_w)
   return _matmul_reduce_scatter(x, w, axis_name, impl,
                                 _common.static_dtype(preferred_element_type), precision,
                                 transpose_w)
-
-
-def _weight(w, transpose_w):
-  """What the checks see as the weight: w, or the [k, N] it stands for when transposed."""
-  return _common.transposed_shape(w) if transpose_w else w
 
 
 def _fused_unsupported_reason(x, w, preferred_element_type, tp: int,
@@ -102,9 +97,10 @@ def _auto_prefers_fused(x, w, tp: int) -> bool:
           and rows * x.shape[-1] <= AUTO_FUSED_MAX_ROWS_TIMES_K)
 
 
-def _resolve(impl, x, w, preferred_element_type, axis_name) -> str:
+def _resolve(impl, x, w, preferred_element_type, axis_name, transpose_w=False) -> str:
   return _common.resolve_on_axis("matmul_reduce_scatter", impl, x, w, preferred_element_type,
-                                 axis_name, _fused_unsupported_reason, _auto_prefers_fused)
+                                 axis_name, _fused_unsupported_reason, _auto_prefers_fused,
+                                 transpose_w)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
@@ -113,7 +109,7 @@ def _matmul_reduce_scatter(x, w, axis_name, impl, preferred_element_type, precis
 
 
 def _forward(x, w, axis_name, impl, preferred_element_type, precision, transpose_w):
-  if _resolve(impl, x, _weight(w, transpose_w), preferred_element_type, axis_name) == "fused":
+  if _resolve(impl, x, w, preferred_element_type, axis_name, transpose_w) == "fused":
     return _fused(x, w, axis_name, transpose_w=transpose_w)
   partial_sum = _common.matmul(x, w, precision=precision,
                                preferred_element_type=preferred_element_type,

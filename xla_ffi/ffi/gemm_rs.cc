@@ -130,7 +130,7 @@ enum class ReduceMode : int64_t { kChoose = 0, kPass = 1, kEpilogue = 2 };
 // How a peer's partial reaches its owner (JAXFLUX_GEMM_RS_PUSH; chunks and split are opt-in
 // experiments; benchmarks/README.md has session 6's measurements, including those of a removed
 // `store` mode, the GEMM storing straight into the owner's slot over NVLink: correct, but
-// 1.0-1.27x slower than copy):
+// 0.99-1.27x copy's time, slower on 15 of 16 rows):
 // - copy (default): the GEMM writes a local staging slot and a copy engine pushes it after the
 //   GEMM (the owner's epilogue or pass waits for the whole push).
 // - chunks: as copy, but with the epilogue reduction (tp = 2, unbatched) the peer-rows GEMM runs
@@ -138,8 +138,8 @@ enum class ReduceMode : int64_t { kChoose = 0, kPass = 1, kEpilogue = 2 };
 //   wait for one chunk's push, not the whole partial's.
 // - split: as chunks, but the peer-rows GEMM stays one launch (no extra partly empty last
 //   waves); only its push is cut into kMaxChunks row chunks, each flagged as it lands, so the
-//   owner's first tiles wait for a quarter of the push (~40 us for 16 MiB), about what one wave
-//   of its own GEMM takes before its first epilogue needs the data.
+//   owner's first tiles wait for a quarter of the push (~40 us for 16 MiB, estimated), about
+//   what one wave of its own GEMM takes before its first epilogue needs the data.
 enum class PushMode { kCopy, kChunks, kSplit };
 
 PushMode Push() {

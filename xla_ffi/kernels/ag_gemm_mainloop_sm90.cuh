@@ -2,9 +2,10 @@
 // collective the builder picks) with a second source for A. The tiles of this rank's own rows
 // are loaded straight from its shard x, the FFI operand; every other tile from the gathered
 // buffer that peers push into. So the own shard no longer has to be copied into that buffer
-// before the GEMM can start: a serial read and write of the shard on XLA's stream (~40 us for a
-// 64 MiB shard on an H200), which was a third to all of the fused kernel's time over its
-// GEMM-only mode on the large benchmark rows (benchmarks/README.md).
+// before the GEMM can start: a serial read and write of the shard on XLA's stream, estimated
+// (not timed on its own) at ~40 us for a 64 MiB shard at H200 bandwidth; by that estimate a
+// third to all of the fused kernel's time over its GEMM-only mode on the large benchmark rows
+// (benchmarks/README.md has those two times).
 //
 // Only the producer's load differs from the stock collective: it picks the TMA descriptor (and
 // the tile's coordinate in that tensor) per output tile, then issues the same pipeline of
