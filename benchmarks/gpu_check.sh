@@ -19,14 +19,18 @@
 #   kmajor    the fused ops with the weight given transposed (the backward's way, read K-major):
 #             their GPU tests and gradients, then timed against the usual weight (~5 min)
 #   kmajortrain  60 training steps of issue 7's jaxflux and xla modes, side by side (~6 min)
-#   rspush    experiment: GEMM+RS with JAXFLUX_GEMM_RS_PUSH=$RS_PUSH (store: the GEMM stores the
-#             peers' partials into the owners' slots; chunks: pushed in row chunks; default
-#             store): its GPU tests, then timed against the copy push (~7 min)
+#   rspush    GEMM+RS's push modes (JAXFLUX_GEMM_RS_PUSH): the GPU tests under $RS_PUSH
+#             (default copy, the non-default mode; the `tests` stage covers split), then the
+#             default split push timed against copy (~7 min)
+#   localdirect  AG+GEMM reading its own rows straight from x (JAXFLUX_AG_GEMM_LOCAL=direct, the
+#             default) against copying them in first (=copy): interleaved runs at M=2048,8192,
+#             then one with the GEMM-alone and GEMM-only columns (~5 min; the GPU tests of
+#             tests/test_ag_gemm_gpu.py are the `tests` stage)
 # Needs .whl/ with the CUTLASS wheel (pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0),
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
-STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush}
+STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLUX_CUDA=ON
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
@@ -150,18 +154,33 @@ if stage kmajortrain; then
 fi
 
 if stage rspush; then
-  push=${RS_PUSH:-store}
+  push=${RS_PUSH:-copy}
   JAXFLUX_GEMM_RS_PUSH=$push timeout 300 python3 -m pytest -q -rs -m gpu tests/test_gemm_rs_gpu.py \
     -p no:cacheprovider -o faulthandler_timeout=90 > "$OUTDIR/gemm_rs_${push}_tests.log" 2>&1 \
     || status=1
   tail -5 "$OUTDIR/gemm_rs_${push}_tests.log"
-  for mode in copy $push; do
+  for mode in copy split; do
     JAXFLUX_GEMM_RS_PUSH=$mode timeout 120 python3 -m jaxflux.bench --op gemm_rs \
       --M 1024,2048,4096,8192 --variants xla,jaxflux --timing device --iters 30 --repeats 3 \
       --warmup 3 --out "$OUTDIR/gemm_rs_push_$mode.json" > /dev/null 2>&1 || status=1
   done
   python3 benchmarks/compare_runs.py "$OUTDIR/gemm_rs_push_copy.json" \
-    "$OUTDIR/gemm_rs_push_$push.json" --variants xla,jaxflux || status=1
+    "$OUTDIR/gemm_rs_push_split.json" --variants xla,jaxflux || status=1
+fi
+
+if stage localdirect; then
+  for run in 1 2; do
+    for mode in copy direct; do
+      JAXFLUX_AG_GEMM_LOCAL=$mode timeout 90 python3 -m jaxflux.bench --op ag_gemm --M 2048,8192 \
+        --variants jaxflux --timing device --iters 30 --repeats 3 --warmup 3 \
+        --out "$OUTDIR/ag_gemm_local_${mode}_$run.json" > /dev/null 2>&1 || status=1
+    done
+    python3 benchmarks/compare_runs.py "$OUTDIR/ag_gemm_local_copy_$run.json" \
+      "$OUTDIR/ag_gemm_local_direct_$run.json" --variants jaxflux || status=1
+  done
+  timeout 150 python3 -m jaxflux.bench --op ag_gemm --M 2048,4096,8192 \
+    --variants gemm,gemm_only,xla,jaxflux --timing device --iters 30 --repeats 3 --warmup 3 \
+    --out "$OUTDIR/ag_gemm_local_direct_ratios.json" 2>&1 | grep -A14 "^name" || status=1
 fi
 
 echo "end at $(( $(date +%s) - T0 )) s, status $status"

@@ -69,6 +69,7 @@ def test_benchmark_shapes_match_float32_reference(M, K, N):
     (8, 4096, 2048, ()),      # decode-sized M, large K
     (7, 96, 40, (2, 3)),      # batch dims
     (64, 128, 256, (4,)),
+    (256, 128, 256, (3,)),    # batch dims, own rows read straight from x (whole tiles)
     (8192, 1024, 512, ()),    # several chunks per shard (the pipelined copy)
 ])
 def test_odd_shapes_and_batch_dims(dtype, shard_rows, K, N, batch):
@@ -81,10 +82,14 @@ def test_odd_shapes_and_batch_dims(dtype, shard_rows, K, N, batch):
 
 
 @pytest.mark.parametrize("batch", [(), (3,)])
-def test_x_full_is_the_exact_gather(batch):
+# 320 rows per shard: the own rows are copied into the gathered buffer first and x_full is one
+# copy of it; 384 (three whole tiles): the GEMM reads them from x, and x_full is put together
+# from the buffer's peer rows and x.
+@pytest.mark.parametrize("shard_rows", [320, 384])
+def test_x_full_is_the_exact_gather(batch, shard_rows):
   mesh = gpu_mesh()
   tp = mesh.shape["tp"]
-  x, w = operands(3, batch + (tp * 320, 256), (256, 128 * tp), jnp.bfloat16)
+  x, w = operands(3, batch + (tp * shard_rows, 256), (256, 128 * tp), jnp.bfloat16)
   y, x_full = _fused_fn(mesh, x.ndim, return_gathered=True)(x, w)
   np.testing.assert_array_equal(np.asarray(x_full), np.broadcast_to(np.asarray(x),
                                                                      x_full.shape))

@@ -167,4 +167,4 @@ def all_gather(x, axis_name: str, *, impl: str = "fused", _debug_skip_signal_ran
   # Receive slots [epoch parity][source rank] (peers push into them).
   return call_group_op("all_gather", jax.ShapeDtypeStruct(out_shape, x.dtype), (x,), axis_name,
                        2 * tp * slot_bytes(shard_bytes),
-                       debug_skip_rank=_debug_skip_signal_rank, mark_landed=0)
+                       debug_skip_rank=_debug_skip_signal_rank)

@@ -2,14 +2,17 @@
 //
 // Per call (epoch e, parity e%2) on this device (rank r of tp), with A = the receive half
 // [e%2] of the symmetric workspace laid out as the gathered x, [batch][tp][m][K]:
-//   main stream : fork the side stream; x -> A[.., r, ..] (local copy) and its flag;
+//   main stream : fork the side stream; x -> A[.., r, ..] (local copy; skipped when the GEMM
+//                 reads its own rows straight from x, the default where a shard is a whole
+//                 number of tiles) and its flag;
 //   side stream : per chunk c of x: copy-engine copy into the same rows of
 //                 every peer's A, each followed by a flag write (cuStreamWriteValue64, no SM
 //                 needed) ready[this device] = e*kMaxChunks + c + 1 on that peer;
 //   main stream : one persistent GEMM over A that starts on rank r's rows and waits, per output
 //                 tile, for the flags of the chunks its rows come from (ag_gemm_scheduler_sm90).
-//                 Then, when x_full is requested, A -> x_full (one D2D copy), and a join with the
-//                 side stream (the pushes read x, which XLA may reuse once the call is over).
+//                 Then, when x_full is requested, A (and x, for the own rows) -> x_full, and
+//                 a join with the side stream (the pushes read x, which XLA may reuse once
+//                 the call is over).
 // Why two parities suffice without a "consumed" handshake: docs/runtime.md (the same argument
 // as the push all-gather; the GEMM of call e-1 waits for every chunk of e-1, and the side stream
 // of call e forks after it).
@@ -21,6 +24,7 @@
 #include <array>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -46,6 +50,18 @@ constexpr int kChunkRowAlign = 128;                    // the GEMM's tile height
 constexpr char kOp[] = "all_gather_matmul";
 
 ffi::Error Fail(const std::string& what) { return OpError(kOp, what); }
+
+// Where the GEMM reads this rank's own rows (JAXFLUX_AG_GEMM_LOCAL, a measurement knob):
+// "direct" (default) straight from x wherever a shard is a whole number of tile rows
+// (AgGemmProblem::a_local), so nothing is copied before the GEMM; "copy" always copies x into
+// the gathered buffer first (the earlier design, and the fallback for other shard sizes).
+bool LocalDirectAllowed() {
+  static const bool allowed = [] {
+    const char* env = std::getenv("JAXFLUX_AG_GEMM_LOCAL");
+    return env == nullptr || std::string(env) != "copy";
+  }();
+  return allowed;
+}
 
 #define JAXFLUX_CUDA(call) JAXFLUX_RETURN_IF_CUDA_ERROR(kOp, call)
 
@@ -183,18 +199,35 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   const char* x_base = static_cast<const char*>(x.untyped_data());
   const size_t flag_index = static_cast<size_t>(g.channel) * kMaxDevices;
 
+  AgGemmProblem problem{};
+  problem.gemm = GemmProblem{my_arena + parity_offset, w.untyped_data(), y->untyped_data(),
+                             static_cast<int>(s.batch * s.m * tp), static_cast<int>(s.n),
+                             static_cast<int>(s.k), ordinal};
+  problem.gemm.b_kmajor = s.w_kmajor;
+  problem.wait_for_flags = 1;
+  problem.config = config >= 0 ? static_cast<AgGemmConfig>(config)
+                               : ChooseAgGemmConfig(problem.gemm);
+  // The GEMM reads its own rows straight from x when a shard is a whole number of tiles (no tile
+  // then mixes x's rows with a peer's); else x is copied into its rows of A first.
+  const bool local_direct =
+      LocalDirectAllowed() && s.m % static_cast<size_t>(AgGemmTileRows(problem.config)) == 0;
+  if (local_direct) problem.a_local = x_base;
+
   JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
   JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
-  // The local shard goes into A on the main stream, before the GEMM. Not on the side stream: a
-  // copy within one device runs as a kernel, which needs an SM, and the GEMM holds every SM while
-  // it waits for that copy (measured on 2xH200: the wait timed out, even with the driver asked
-  // to prefer a copy engine). Costs one read and write of the shard, serially (not measured
-  // separately; at H200's HBM bandwidth an estimated few tens of µs for 64 MiB).
-  for (size_t b = 0; b < s.batch; ++b) {
-    JAXFLUX_CUDA(cudaMemcpyAsync(my_arena + parity_offset + b * a_pitch + rank * entry_bytes,
-                                 x_base + b * entry_bytes, entry_bytes, cudaMemcpyDeviceToDevice,
-                                 stream));
+  // Without local_direct the local shard goes into A on the main stream, before the GEMM. Not on
+  // the side stream: a copy within one device runs as a kernel, which needs an SM, and the GEMM
+  // holds every SM while it waits for that copy (measured on 2xH200: the wait timed out, even
+  // with the driver asked to prefer a copy engine). It costs one serial read and write of the
+  // shard, which local_direct saves.
+  if (!local_direct) {
+    for (size_t b = 0; b < s.batch; ++b) {
+      JAXFLUX_CUDA(cudaMemcpyAsync(my_arena + parity_offset + b * a_pitch + rank * entry_bytes,
+                                   x_base + b * entry_bytes, entry_bytes,
+                                   cudaMemcpyDeviceToDevice, stream));
+    }
   }
+  // Own rows ready (either way): the GEMM's waits treat every source alike.
   if (!WriteFlag(stream, res->ready_flags + flag_index + g.slot, base + num_chunks, &failed)) {
     return Fail(failed);
   }
@@ -222,14 +255,6 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   }
 
   // Main stream: the GEMM, waiting on the flags per tile.
-  AgGemmProblem problem{};
-  problem.gemm = GemmProblem{my_arena + parity_offset, w.untyped_data(), y->untyped_data(),
-                             static_cast<int>(s.batch * s.m * tp), static_cast<int>(s.n),
-                             static_cast<int>(s.k), ordinal};
-  problem.gemm.b_kmajor = s.w_kmajor;
-  problem.wait_for_flags = 1;
-  problem.config = config >= 0 ? static_cast<AgGemmConfig>(config)
-                               : ChooseAgGemmConfig(problem.gemm);
   AgGemmWait& wait = problem.wait;
   wait = WaitOfThisRank(g, ordinal, epoch, rank_info.typed_data());
   for (int p = 0; p < tp; ++p) wait.flags[p] = res->ready_flags + flag_index + g.peers[p];
@@ -249,11 +274,30 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     return Fail(failure);
   }
   JAXFLUX_CUDA(cudaGetLastError());
-  if (x_full != nullptr) {
+  if (x_full != nullptr && !local_direct) {
     // Every chunk has landed once the GEMM is done: A is x_full, in x_full's layout.
     JAXFLUX_CUDA(cudaMemcpyAsync(x_full, my_arena + parity_offset,
                                  shard_bytes * static_cast<size_t>(tp), cudaMemcpyDeviceToDevice,
                                  stream));
+  } else if (x_full != nullptr) {
+    // A holds the peers' rows only: per batch entry, the ranks before this one and after it
+    // from A, this rank's own from x (the same bytes as one copy of A).
+    char* dst = static_cast<char*>(x_full);
+    const char* a = my_arena + parity_offset;
+    const size_t before = static_cast<size_t>(rank) * entry_bytes;
+    const size_t after = static_cast<size_t>(tp - 1 - rank) * entry_bytes;
+    for (size_t b = 0; b < s.batch; ++b) {
+      const size_t at = b * a_pitch;
+      if (before > 0) {
+        JAXFLUX_CUDA(cudaMemcpyAsync(dst + at, a + at, before, cudaMemcpyDeviceToDevice, stream));
+      }
+      JAXFLUX_CUDA(cudaMemcpyAsync(dst + at + before, x_base + b * entry_bytes, entry_bytes,
+                                   cudaMemcpyDeviceToDevice, stream));
+      if (after > 0) {
+        JAXFLUX_CUDA(cudaMemcpyAsync(dst + at + before + entry_bytes, a + at + before + entry_bytes,
+                                     after, cudaMemcpyDeviceToDevice, stream));
+      }
+    }
   }
   JAXFLUX_CUDA(cudaEventRecord(res->join, res->side));
   JAXFLUX_CUDA(cudaStreamWaitEvent(stream, res->join, 0));

@@ -3,10 +3,14 @@
 // Push protocol. Per call (epoch e, parity e%2), on this device (rank r) of a group of tp:
 //   side stream : (forked from main) for each chunk c: copy x[c] straight into every peer's
 //                 receive slot [e%2][r] (P2P copy-engine write), then release
-//                 ready[this device] = e*K+c+1 into every peer's flag array (system scope)
-//   main stream : x -> out[r] (SM copy); for each chunk c, each peer p: bounded wait on the
-//                 local ready[p] >= e*K+c+1, then SM copy of slot [e%2][p] chunk -> out[p]
+//                 ready[this device] = e*K+c+1 into every peer's flag array (a stream memory
+//                 write after a system-scope barrier: no kernel, no SM)
+//   main stream : one kernel (LaunchGather): x -> out[r], then for each chunk c, each peer p:
+//                 bounded wait on the local ready[p] >= e*K+c+1, SM copy slot [e%2][p] -> out[p]
 //   main waits for side (join) before the handler returns.
+// Per call and device that is 2 events, one kernel, and chunks x (tp-1) copies and flag writes:
+// the earlier version's one release kernel per chunk and wait + copy kernels per chunk and peer
+// cost ~0.12 ms a call with no data moved (docs/runtime.md).
 // Why two parities suffice without a "consumed" flag is argued in docs/runtime.md.
 #include "xla_ffi/ffi/all_gather.h"
 
@@ -26,6 +30,7 @@
 #include "xla_ffi/kernels/signal_kernels.h"
 #include "xla_ffi/runtime/runtime.h"
 #include "xla_ffi/runtime/signals.h"
+#include "xla_ffi/runtime/stream_ops.h"
 
 namespace ffi = xla::ffi;
 
@@ -34,6 +39,9 @@ namespace jaxflux {
 namespace {
 
 constexpr char kOp[] = "all_gather";
+
+// The own shard plus every chunk of every peer fits one gather kernel.
+static_assert(1 + kMaxChunks * (kMaxRanks - 1) <= kGatherMaxSegments);
 
 #define JAXFLUX_CUDA(call) JAXFLUX_RETURN_IF_CUDA_ERROR(kOp, call)
 
@@ -103,7 +111,7 @@ cudaError_t Copy2D(char* dst, size_t dst_pitch, const char* src, size_t src_pitc
 ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
                          ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_info,
                          ffi::Result<ffi::AnyBuffer> out, int64_t generation,
-                         int64_t debug_skip_rank, int64_t mark_landed) {
+                         int64_t debug_skip_rank) {
   // A device error recorded since the last call (e.g. a timeout) fails this call, but only after
   // it has taken part in the protocol, so that epochs stay aligned across the group.
   std::optional<std::string> pending = TakeDeviceErrorMessage();
@@ -152,91 +160,76 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
   char* out_base = static_cast<char*>(out->untyped_data());
   const char* x_base = static_cast<const char*>(x.untyped_data());
   char* my_arena = WorkspaceArena(generation, g.slot);
-  // Copy grids: at most two blocks of 512 threads per SM (they never spin).
-  const int max_blocks = 2 * std::max(res->sm_count, 1);
+  // The gather grid spins while chunks are on the link: it takes at most half the SMs, one
+  // block each, so that whatever else this device must run meanwhile finds whole SMs free (a
+  // spinning grid with a block on every SM hung once, docs/runtime.md).
+  const int max_blocks = std::max(res->sm_count / 2, 1);
 
   JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
   JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
 
   // Side stream: push x chunk by chunk into every peer's receive slot [parity][rank] (P2P
-  // copy-engine writes straight from XLA's input buffer), then release the chunk's flag in every
-  // peer's ready array (system fence before the flag).
-  ReleaseParams rel{};
-  rel.rank_info = rank_info.typed_data();
-  rel.expected_rank = rank;
-  rel.expected_group = g.group;
-  rel.device = ordinal;
-  rel.op = static_cast<int32_t>(OpCode::kAllGather);
-  rel.epoch = epoch;
-  rel.error = err_rec;
-  rel.num_flags = 0;
+  // copy-engine writes straight from XLA's input buffer), then write the chunk's flag in every
+  // peer's ready array.
   const bool skip = debug_skip_rank == rank;  // test hook: this rank never signals
-  for (int p = 0; p < tp; ++p) {
-    if (p == rank || skip) continue;
-    rel.flags[rel.num_flags++] =
-        peer_res[p]->ready_flags + static_cast<size_t>(g.channel) * kMaxDevices + g.slot;
-  }
   const Ablation& ablate = Ablate();
+  std::string failed;
+  auto release = [&](uint64_t value) {
+    for (int i = 1; i < tp && !skip; ++i) {
+      const int p = (rank + i) % tp;
+      uint64_t* flag =
+          peer_res[p]->ready_flags + static_cast<size_t>(g.channel) * kMaxDevices + g.slot;
+      if (!WriteFlag(res->side, flag, value, &failed)) return false;
+    }
+    return true;
+  };
   for (int c = 0; c < num_chunks; ++c) {
     for (int i = 1; i < tp && !ablate.push; ++i) {
       const int p = (rank + i) % tp;  // rotated so ranks start on different peers
       JAXFLUX_CUDA(Copy2D(peer_arena[p] + slot_base + rank * slot_bytes, row_bytes, x_base,
                           row_bytes, chunks[c], res->side));
     }
-    rel.value = base + c + 1;
-    JAXFLUX_CUDA(LaunchRelease(rel, res->side));
+    if (!release(base + c + 1)) return ffi::Error::Internal("jaxflux all_gather: " + failed);
   }
-  if (num_chunks == 0) {  // empty shard: still verify the rank and keep the flags moving
-    rel.value = base + kMaxChunks;
-    JAXFLUX_CUDA(LaunchRelease(rel, res->side));
+  if (num_chunks == 0 && !release(base + kMaxChunks)) {  // empty shard: keep the flags moving
+    return ffi::Error::Internal("jaxflux all_gather: " + failed);
   }
 
-  // Main stream: own chunk x -> out[rank] (SM copy, overlaps the push), then for each chunk and
-  // peer: bounded wait on the local ready flag, SM copy slot -> out[p].
+  // Main stream: one kernel copies the own shard x -> out[rank], then every peer's chunks from
+  // the receive slots as they land (bounded waits on the local ready flags).
   uint64_t* my_ready = res->ready_flags + static_cast<size_t>(g.channel) * kMaxDevices;
-  uint64_t* my_landed = res->landed_flags + static_cast<size_t>(g.channel) * kMaxDevices;
-  WaitCopyParams wc{};
-  wc.wait.timeout_ns = timeout_ns;
-  wc.wait.epoch = epoch;
-  wc.wait.device = ordinal;
-  wc.wait.rank = rank;
-  wc.wait.op = static_cast<int32_t>(OpCode::kAllGather);
-  wc.wait.error = err_rec;
-  wc.dst_pitch = out_pitch;
-  wc.src_pitch = row_bytes;
+  GatherParams gather{};
+  gather.dst_pitch = out_pitch;
+  gather.src_pitch = row_bytes;
+  gather.rank_info = rank_info.typed_data();
+  gather.rank = rank;
+  gather.group = g.group;
+  gather.device = ordinal;
+  gather.op = static_cast<int32_t>(OpCode::kAllGather);
+  gather.epoch = epoch;
+  gather.timeout_ns = timeout_ns;
+  gather.error = err_rec;
+  int n = 0;
   if (shard_bytes > 0 && !ablate.local) {
-    wc.wait.flag = nullptr;
-    wc.dst = out_base + rank * row_bytes;
-    wc.src = x_base;
-    wc.rows = rows;
-    wc.cols = row_bytes;
-    JAXFLUX_CUDA(LaunchWaitCopy(wc, max_blocks, stream));
-    if (mark_landed) {
-      JAXFLUX_CUDA(LaunchMark(MarkParams{my_landed + g.slot, base + kMaxChunks}, stream));
-    }
+    gather.segments[n++] = GatherSegment{x_base, out_base + rank * row_bytes, rows, row_bytes,
+                                         nullptr, 0, rank};
   }
-  const int waits = std::max(num_chunks, 1);
-  for (int c = 0; c < waits; ++c) {
+  for (int c = 0; c < std::max(num_chunks, 1); ++c) {
     for (int i = 1; i < tp; ++i) {
       const int p = (rank + tp - i) % tp;  // the peer that pushes to us first
-      wc.wait.flag = my_ready + g.peers[p];
-      wc.wait.peer = p;
-      wc.wait.target = num_chunks == 0 ? base + kMaxChunks : base + c + 1;
-      if (num_chunks == 0) {
-        JAXFLUX_CUDA(LaunchWait(wc.wait, stream));
-        continue;
-      }
+      GatherSegment& seg = gather.segments[n++];
+      seg = GatherSegment{nullptr, nullptr, 0, 0, my_ready + g.peers[p],
+                          num_chunks == 0 ? base + kMaxChunks : base + c + 1, p};
+      if (num_chunks == 0 || ablate.recv) continue;  // wait only
       const Chunk& ch = chunks[c];
-      wc.dst = out_base + p * row_bytes + ch.row0 * out_pitch + ch.col0;
-      wc.src = my_arena + slot_base + p * slot_bytes + ch.row0 * row_bytes + ch.col0;
-      wc.rows = ablate.recv ? 0 : ch.rows;  // rows = 0: wait only
-      wc.cols = ch.cols;
-      JAXFLUX_CUDA(LaunchWaitCopy(wc, max_blocks, stream));
-      if (mark_landed) {
-        JAXFLUX_CUDA(LaunchMark(MarkParams{my_landed + g.peers[p], base + c + 1}, stream));
-      }
+      seg.dst = out_base + p * row_bytes + ch.row0 * out_pitch + ch.col0;
+      seg.src = my_arena + slot_base + p * slot_bytes + ch.row0 * row_bytes + ch.col0;
+      seg.rows = ch.rows;
+      seg.cols = ch.cols;
     }
   }
+  gather.num_segments = n;
+  JAXFLUX_CUDA(LaunchGather(gather, max_blocks, stream));
   // The push reads x: XLA's stream must not move on (and free or reuse x) before it is done.
   JAXFLUX_CUDA(cudaEventRecord(res->join, res->side));
   JAXFLUX_CUDA(cudaStreamWaitEvent(stream, res->join, 0));
@@ -287,8 +280,7 @@ ffi::ErrorOr<std::unique_ptr<RankState>> AllGatherInstantiate() {
 ffi::Error AllGatherExecute(cudaStream_t stream, int32_t ordinal, RankState* state,
                             ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_info,
                             ffi::Result<ffi::AnyBuffer> out, int64_t tp, int64_t num_groups,
-                            int64_t site, int64_t generation, int64_t debug_skip_rank,
-                            int64_t mark_landed) {
+                            int64_t site, int64_t generation, int64_t debug_skip_rank) {
   if (ffi::Error e = CheckInputs(x, rank_info, out, tp); e.failure()) return e;
   GroupInfo g;
   if (ffi::Error e =
@@ -296,17 +288,15 @@ ffi::Error AllGatherExecute(cudaStream_t stream, int32_t ordinal, RankState* sta
       e.failure()) {
     return e;
   }
-  return AllGatherImpl(stream, ordinal, g, x, rank_info, out, generation, debug_skip_rank,
-                       mark_landed);
+  return AllGatherImpl(stream, ordinal, g, x, rank_info, out, generation, debug_skip_rank);
 }
 
 ffi::Error AllGatherSiteCached(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                ffi::Buffer<ffi::S32> rank_info,
                                ffi::Result<ffi::AnyBuffer> out, int64_t tp, int64_t num_groups,
-                               int64_t site, int64_t generation, int64_t debug_skip_rank,
-                               int64_t mark_landed) {
+                               int64_t site, int64_t generation, int64_t debug_skip_rank) {
   return AllGatherExecute(stream, ordinal, nullptr, x, rank_info, out, tp, num_groups, site,
-                          generation, debug_skip_rank, mark_landed);
+                          generation, debug_skip_rank);
 }
 
 }  // namespace
@@ -328,8 +318,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxAllGatherInstantiate, jaxflux::AllGatherIns
       .Attr<int64_t>("num_groups")            /* groups over the other mesh axes */      \
       .Attr<int64_t>("site")                  /* unique id of the traced call */         \
       .Attr<int64_t>("generation")            /* workspace generation to use */          \
-      .Attr<int64_t>("debug_skip_rank")       /* test hook: rank that never signals */   \
-      .Attr<int64_t>("mark_landed")           /* set per-chunk landed flags */
+      .Attr<int64_t>("debug_skip_rank")       /* test hook: rank that never signals */
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxAllGatherExecute, jaxflux::AllGatherExecute,
                               JAXFLUX_ALL_GATHER_BINDING(

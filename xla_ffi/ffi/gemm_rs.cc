@@ -127,25 +127,23 @@ ffi::Error Finish(cudaStream_t stream, int32_t ordinal, int rank, const GroupInf
 // The `reduce` attribute (matmul_reduce_scatter.REDUCE_MODES).
 enum class ReduceMode : int64_t { kChoose = 0, kPass = 1, kEpilogue = 2 };
 
-// How a peer's partial reaches its owner (JAXFLUX_GEMM_RS_PUSH; store and chunks are opt-in
-// experiments, measured in session 6: store correct but 0.99-1.27x copy's time, slower on 15
-// of 16 rows; chunks -3% to +7% where it changes anything, its GPU tests not run;
-// benchmarks/README.md):
-// - copy (default): the GEMM writes a local staging slot and a copy engine pushes it after the
-//   GEMM (the owner's epilogue or pass waits for the whole push).
-// - store: the GEMM's epilogue stores the partial straight into the owner's receive slot over
-//   NVLink (peer-mapped; TMA stores to a peer address), so it has landed when the GEMM ends: no
-//   staging write, no copy, no push to wait for.
-// - chunks: as copy, but with the epilogue reduction (tp = 2, unbatched) the peer-rows GEMM runs
-//   in row chunks, each pushed (and flagged) as soon as it is done, so the owner's first tiles
-//   wait for one chunk's push, not the whole partial's.
-enum class PushMode { kCopy, kStore, kChunks };
+// How a peer's partial reaches its owner (JAXFLUX_GEMM_RS_PUSH; benchmarks/README.md has the
+// measurements, including those of two removed experiments: `store`, the GEMM storing straight
+// into the owner's slot over NVLink, correct but 0.99-1.27x copy's time; `chunks`, the peer-rows
+// GEMM in row chunks each pushed as it finished, -3%..+7% against copy):
+// - split (default): the peer-rows GEMM is one launch writing a local staging slot; a copy
+//   engine pushes its partial in kMaxChunks row chunks, each flagged as it lands, so with the
+//   epilogue reduction the owner's first tiles wait for a quarter of the push, not all of it
+//   (session 7, 2xH200: 5-7% faster than copy on llama70b-out M >= 4096, 2.5% on gpt3-out,
+//   the same elsewhere).
+// - copy (JAXFLUX_GEMM_RS_PUSH=copy, for measurement): the whole partial in one push, one flag;
+//   the epilogue reduction only where the partial is within its no-stall size.
+enum class PushMode { kCopy, kSplit };
 
 PushMode Push() {
   static const PushMode mode = [] {
     const char* env = std::getenv("JAXFLUX_GEMM_RS_PUSH");
-    const std::string v = env != nullptr ? env : "";
-    return v == "store" ? PushMode::kStore : v == "chunks" ? PushMode::kChunks : PushMode::kCopy;
+    return env != nullptr && std::string(env) == "copy" ? PushMode::kCopy : PushMode::kSplit;
   }();
   return mode;
 }
@@ -174,21 +172,21 @@ bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k) {
     case ReduceMode::kEpilogue:
       return tp == 2;
     default:
-      // Pushed by the GEMM itself, or in chunks, the partial (or its first chunk) is there
-      // when the owner's GEMM starts.
-      return tp == 2 && (Push() != PushMode::kCopy || partial_bytes <= kEpilogueBytesPerK * k);
+      // Pushed in chunks, the partial's first chunk is there soon after the owner's GEMM
+      // starts.
+      return tp == 2 && (Push() == PushMode::kSplit || partial_bytes <= kEpilogueBytesPerK * k);
   }
 }
 
-// Rows per pushed chunk of the peer-rows GEMM (PushMode::kChunks with the epilogue reduction,
-// unbatched x): each chunk within the epilogue's measured no-stall size (kEpilogueBytesPerK
-// bytes per K), at most kMaxChunks of them, cut at 128-row tiles; else one chunk of all rows.
+// Rows per pushed chunk of the peer's partial (split push with the epilogue reduction,
+// unbatched x): kMaxChunks chunks cut at 128-row tiles (a chunk costs only a copy and a flag);
+// s.m (one chunk) when the partial is within the epilogue's measured no-stall size
+// (kEpilogueBytesPerK bytes per K), where waiting for all of it costs nothing.
 size_t PushChunkRows(const Shapes& s, bool epilogue_reduce) {
-  if (Push() != PushMode::kChunks || !epilogue_reduce || s.batch != 1) return s.m;
-  const size_t budget = kEpilogueBytesPerK * s.k;
+  if (Push() != PushMode::kSplit || !epilogue_reduce || s.batch != 1) return s.m;
   const size_t bytes = s.m * s.n * s.elem;
-  const size_t chunks = std::clamp<size_t>((bytes + budget - 1) / budget, 1, kMaxChunks);
-  size_t rows = (s.m + chunks - 1) / chunks;
+  if (bytes <= kEpilogueBytesPerK * s.k) return s.m;
+  size_t rows = (s.m + kMaxChunks - 1) / kMaxChunks;
   rows = (rows + 127) / 128 * 128;
   return std::min(rows, s.m);
 }
@@ -295,7 +293,6 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     gemm_workspace = *allocation;
   }
   const bool skip = debug_skip_rank == rank;  // test hook: this rank never signals its peers
-  const bool remote_store = Push() == PushMode::kStore;
   for (int i = 1; i <= tp; ++i) {
     const int p = (rank + i) % tp;  // peers first (they wait for us), own rows last
     if (p == rank && epilogue_reduce) {
@@ -305,24 +302,22 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
       JAXFLUX_CUDA(cudaGetLastError());
       break;
     }
-    if (p != rank && chunk_rows < s.m) {  // PushMode::kChunks: the peer's rows chunk by chunk
-      const char* x_p = x_base_of(p);
-      char* stage = stage_base + static_cast<size_t>(p) * slot_bytes;
-      const size_t in_row = s.k * s.elem, out_row = s.n * s.elem;
+    if (p != rank && chunk_rows < s.m) {
+      // One GEMM of the peer's rows, then its partial pushed chunk by chunk, each flagged.
+      problem.a = x_base_of(p);
+      problem.d = stage_base + static_cast<size_t>(p) * slot_bytes;
+      if (const char* failure = GemmSm90(s.dtype, problem, gemm_workspace, stream)) {
+        return Fail(failure);
+      }
+      JAXFLUX_CUDA(cudaGetLastError());
+      JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
+      JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
+      const size_t out_row = s.n * s.elem;
+      const char* stage = static_cast<const char*>(problem.d);
       for (size_t row0 = 0, c = 0; row0 < s.m; row0 += chunk_rows, ++c) {
         const size_t rows = std::min(chunk_rows, s.m - row0);
-        GemmProblem chunk = problem;
-        chunk.a = x_p + row0 * in_row;
-        chunk.d = stage + row0 * out_row;
-        chunk.m = static_cast<int>(rows);
-        if (const char* failure = GemmSm90(s.dtype, chunk, gemm_workspace, stream)) {
-          return Fail(failure);
-        }
-        JAXFLUX_CUDA(cudaGetLastError());
-        JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
-        JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
-        JAXFLUX_CUDA(cudaMemcpyAsync(recv(p, rank) + row0 * out_row, chunk.d, rows * out_row,
-                                     cudaMemcpyDefault, res->side));
+        JAXFLUX_CUDA(cudaMemcpyAsync(recv(p, rank) + row0 * out_row, stage + row0 * out_row,
+                                     rows * out_row, cudaMemcpyDefault, res->side));
         if (!skip && !WriteFlag(res->side, group.ranks[p]->ready_flags + flag_index + g.slot,
                                 flag_value + c, &failed)) {
           return Fail(failed);
@@ -331,23 +326,12 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
       continue;
     }
     problem.a = x_base_of(p);
-    problem.d = p == rank     ? recv(rank, rank)
-                : remote_store ? recv(p, rank)  // straight into the owner's slot, over NVLink
-                               : stage_base + static_cast<size_t>(p) * slot_bytes;
+    problem.d = p == rank ? recv(rank, rank) : stage_base + static_cast<size_t>(p) * slot_bytes;
     if (const char* failure = GemmSm90(s.dtype, problem, gemm_workspace, stream)) {
       return Fail(failure);
     }
     JAXFLUX_CUDA(cudaGetLastError());
     if (p == rank) break;
-    if (remote_store) {
-      // The GEMM's stores to the owner are complete when the kernel is: the flag follows it on
-      // this stream.
-      if (!skip && !WriteFlag(stream, group.ranks[p]->ready_flags + flag_index + g.slot,
-                              flag_value, &failed)) {
-        return Fail(failed);
-      }
-      continue;
-    }
     JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
     JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
     JAXFLUX_CUDA(cudaMemcpyAsync(recv(p, rank), problem.d, partial_bytes, cudaMemcpyDefault,

@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 
+#include "xla_ffi/kernels/ag_gemm_mainloop_sm90.cuh"
 #include "xla_ffi/kernels/ag_gemm_scheduler_sm90.cuh"
 #include "xla_ffi/kernels/gemm_sm90.cuh"
 
@@ -15,8 +16,17 @@ using Tiles1 = gemm_sm90::TileConfig<128, 256, 1, 2, false>;  // kCoop128x256Clu
 using Tiles2 = gemm_sm90::TileConfig<256, 128, 1, 2, false>;  // kCoop256x128Cluster1x2
 using Tiles3 = gemm_sm90::TileConfig<128, 128, 1, 2, true>;   // kPingpong128x128Cluster1x2
 
+// The GEMM of gemm_sm90.cuh with the AllGather tile scheduler and a mainloop that reads this
+// rank's own rows from its shard rather than from the gathered buffer (LocalShardMainloop).
 template <class Element, class Tiles, class LayoutB>
-using Config = gemm_sm90::Config<Element, AgGemmSchedulerTag, Tiles, void, LayoutB>;
+struct Config : gemm_sm90::Config<Element, AgGemmSchedulerTag, Tiles, void, LayoutB> {
+  using Stock = gemm_sm90::Config<Element, AgGemmSchedulerTag, Tiles, void, LayoutB>;
+  using Mainloop = LocalShardMainloop<typename Stock::Mainloop>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
+                                                      typename Stock::Epilogue,
+                                                      AgGemmSchedulerTag>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
 
 // Swizzle of the tile order (CUTLASS max_swizzle_size: 1, 2, 4 or 8 M-tile cluster rows swept
 // together along N, for L2 reuse of B). 4 measured best for the fused kernel on llama70b-fc1
@@ -36,6 +46,12 @@ typename Config<Element, Tiles, LayoutB>::Gemm::Arguments MakeArguments(const Ag
   constexpr int kTileM = cute::get<0>(typename C::Tile{});
   constexpr int kClusterM = cute::get<0>(typename C::Cluster{});
   auto args = gemm_sm90::MakeArguments<C>(p.gemm);
+  if (p.a_local != nullptr) {  // the host checked rows_per_shard % kTileM (AgGemmTileRows)
+    args.mainloop.ptr_a_local = static_cast<const typename C::Element*>(p.a_local);
+    args.mainloop.shard_rows = p.wait.rows_per_shard;
+    args.mainloop.tp = p.wait.tp;
+    args.mainloop.rank = p.wait.rank;
+  }
   auto& s = args.scheduler;
   using Options = typename C::Kernel::TileScheduler::RasterOrderOptions;
   // Along N: consecutive tiles share their A rows, so the kernel sweeps the gathered rows in
@@ -60,6 +76,10 @@ size_t WorkspaceBytes(const AgGemmProblem& p) {
 
 template <class Element, class Tiles, class LayoutB>
 const char* Run(const AgGemmProblem& p, void* workspace, cudaStream_t stream) {
+  constexpr int kTileM = Config<Element, Tiles, LayoutB>::Mainloop::kTileM;
+  if (p.a_local != nullptr && p.wait.rows_per_shard % kTileM != 0) {
+    return "all_gather_matmul: a_local needs rows per shard to be a multiple of the tile rows";
+  }
   return gemm_sm90::Launch<Config<Element, Tiles, LayoutB>>(
       MakeArguments<Element, Tiles, LayoutB>(p), workspace, stream);
 }

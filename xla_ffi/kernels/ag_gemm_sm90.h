@@ -61,7 +61,14 @@ struct AgGemmProblem {
   AgGemmWait wait;
   int wait_for_flags;      // 0: GEMM-only mode (no waits; what fusion costs the GEMM itself)
   AgGemmConfig config = AgGemmConfig::kCoop128x256Cluster2x1;
+  // This rank's own shard, [batch * rows_per_shard, K] row-major (x): when set, the tiles of
+  // rank wait.rank's rows are read from it instead of from gemm.a, whose own rows then need not
+  // hold the shard. Needs rows_per_shard % AgGemmTileRows(config) == 0; nullptr: all from a.
+  const void* a_local = nullptr;
 };
+
+// Rows of one output tile of a config (a shard read through a_local must be a whole number).
+int AgGemmTileRows(AgGemmConfig config);
 
 size_t AgGemmSm90WorkspaceBytes(GemmDtype dtype, const AgGemmProblem& problem);
 

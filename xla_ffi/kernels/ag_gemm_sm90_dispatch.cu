@@ -83,6 +83,10 @@ AgGemmConfig ChooseAgGemmConfig(const GemmProblem& problem) {
   return AgGemmConfig::kCoop128x256Cluster2x1;
 }
 
+int AgGemmTileRows(AgGemmConfig config) {
+  return config == AgGemmConfig::kCoop256x128Cluster1x2 ? 256 : 128;  // ag_gemm_sm90.cuh Tiles*
+}
+
 size_t AgGemmSm90WorkspaceBytes(GemmDtype dtype, const AgGemmProblem& problem) {
   return Lookup(dtype, problem).workspace_bytes(problem);
 }

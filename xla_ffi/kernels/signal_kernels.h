@@ -1,15 +1,15 @@
-// Launchers of the tiny signalling kernels (release, bounded wait, landed marks). Host-callable
-// from plain C++; the device code is in signal_kernels.cu.
+// The device-side error record and op codes every jaxflux kernel reports through, and the
+// receiving kernel of the copy-engine all-gather. Host-callable from plain C++; the device code
+// is in signal_kernels.cu.
 #ifndef JAXFLUX_XLA_FFI_KERNELS_SIGNAL_KERNELS_H_
 #define JAXFLUX_XLA_FFI_KERNELS_SIGNAL_KERNELS_H_
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace jaxflux {
-
-inline constexpr int kSignalMaxTargets = 8;
 
 enum class OpCode : int32_t { kAllGather = 1, kAllGatherMatmul = 2, kMatmulReduceScatter = 3 };
 enum class ErrorKind : int32_t { kNone = 0, kTimeout = 1, kRankMismatch = 2 };
@@ -31,51 +31,39 @@ struct DeviceErrorRecord {
   uint64_t timeout_ns;
 };
 
-struct ReleaseParams {
-  uint64_t* flags[kSignalMaxTargets];  // flag of this rank in each peer's ready array
-  int32_t num_flags;
-  uint64_t value;                      // epoch * chunks + chunk + 1
-  const int32_t* rank_info;            // [axis_index, group_index] operand of this call
-  int32_t expected_rank;               // rank cached at discovery; mismatch => error record
-  int32_t expected_group;
-  int32_t device;
-  int32_t op;
-  uint64_t epoch;
-  DeviceErrorRecord* error;
-};
+// The receiving half of the push all-gather, as one kernel per call: the local shard into `out`
+// first, then each peer's chunks in the order they arrive, each after a bounded wait on the
+// local flag its pusher writes once the chunk has landed in this device's receive slot. Every
+// block waits for the flag of each segment it copies (thread 0 polls, the block syncs), so the
+// grid spins while chunks are on the link; that is safe because nothing a device must run for
+// its peers needs an SM: pushes are copy-engine copies and releases stream memory writes
+// (stream_ops.h). Once any wait has failed, the others stop waiting (the results are void),
+// so a dead peer costs one timeout per call.
+inline constexpr int kGatherMaxSegments = 64;
 
-struct WaitParams {
-  const uint64_t* flag;   // local flag a peer releases
-  uint64_t target;        // wait until *flag >= target
-  uint64_t timeout_ns;
-  uint64_t epoch;
-  int32_t device, rank, peer, op;
-  DeviceErrorRecord* error;
-};
-
-struct MarkParams {
-  uint64_t* flag;
-  uint64_t value;
-};
-
-// Bounded wait on a local flag (one-thread kernel, skipped when `flag` is null), then an SM
-// copy of a 2D piece: `rows` rows of `cols` bytes from src (pitch src_pitch) to dst (pitch
-// dst_pitch). Used by the receiver of the push all-gather to move a landed chunk from its
-// receive slot into `out`. On timeout the error is recorded (the copy still runs; the call's
-// results are invalid anyway).
-struct WaitCopyParams {
-  WaitParams wait;        // wait.flag == nullptr: copy at once
-  char* dst;
+struct GatherSegment {
   const char* src;
-  size_t dst_pitch, src_pitch, rows, cols;
+  char* dst;
+  size_t rows, cols;       // rows of `cols` bytes (pitches in GatherParams)
+  const uint64_t* flag;    // nullptr: copy at once (the local shard)
+  uint64_t target;         // wait until *flag >= target
+  int32_t peer;            // the rank that pushes this segment (named in a timeout)
 };
 
-// `max_blocks` caps the copy grid.
-cudaError_t LaunchWaitCopy(const WaitCopyParams& params, int max_blocks, cudaStream_t stream);
+struct GatherParams {
+  GatherSegment segments[kGatherMaxSegments];
+  int32_t num_segments;
+  size_t dst_pitch, src_pitch;
+  // Who waits, for error records, and the rank check: the rank cached at discovery must match
+  // this program's [axis_index, group] operand, or data would land in the wrong rows.
+  const int32_t* rank_info;
+  int32_t rank, group, device, op;
+  uint64_t epoch, timeout_ns;
+  DeviceErrorRecord* error;
+};
 
-cudaError_t LaunchRelease(const ReleaseParams& params, cudaStream_t stream);
-cudaError_t LaunchWait(const WaitParams& params, cudaStream_t stream);
-cudaError_t LaunchMark(const MarkParams& params, cudaStream_t stream);
+// `max_blocks` caps the grid (two 512-thread blocks per SM fit).
+cudaError_t LaunchGather(const GatherParams& params, int max_blocks, cudaStream_t stream);
 
 }  // namespace jaxflux
 
