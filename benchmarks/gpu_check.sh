@@ -26,11 +26,14 @@
 #             default) against copying them in first (=copy): interleaved runs at M=2048,8192,
 #             then one with the GEMM-alone and GEMM-only columns (~5 min; the GPU tests of
 #             tests/test_ag_gemm_gpu.py are the `tests` stage)
+#   timelines the GPU timeline (kernels and copies per stream, JAX profiler) of a few calls of
+#             AG+GEMM (llama70b-qkv M=2048, llama70b-fc1 M=8192) and GEMM+RS (llama70b-out
+#             M=4096): where each fused op's time over its GEMM goes (~2 min)
 # Needs .whl/ with the CUTLASS wheel (pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0),
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
-STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect}
+STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect timelines}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLUX_CUDA=ON
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
@@ -181,6 +184,17 @@ if stage localdirect; then
   timeout 150 python3 -m jaxflux.bench --op ag_gemm --M 2048,4096,8192 \
     --variants gemm,gemm_only,xla,jaxflux --timing device --iters 30 --repeats 3 --warmup 3 \
     --out "$OUTDIR/ag_gemm_local_direct_ratios.json" 2>&1 | grep -A14 "^name" || status=1
+fi
+
+if stage timelines; then
+  for spec in "ag_gemm 2048 8192 10240" "ag_gemm 8192 8192 28672" "gemm_rs 4096 8192 8192"; do
+    read -r op m k n <<< "$spec"
+    modes=$([[ $op == gemm_rs ]] && echo epilogue || echo fused)
+    timeout 60 python3 benchmarks/fused_timeline.py "$m" "$k" "$n" "$OUTDIR/trace_tmp" --op "$op" \
+      --modes "$modes" --calls 3 > "$OUTDIR/timeline_${op}_M${m}_N${n}.log" 2>&1 || status=1
+    grep -v "^[WEI][0-9 ]" "$OUTDIR/timeline_${op}_M${m}_N${n}.log" | tail -12
+  done
+  rm -rf "$OUTDIR/trace_tmp"
 fi
 
 echo "end at $(( $(date +%s) - T0 )) s, status $status"

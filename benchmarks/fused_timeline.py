@@ -1,11 +1,15 @@
-"""The GPU timeline of the fused GEMM+ReduceScatter, once per reduction mode (2+ GPUs): every
-kernel and copy of a few back-to-back calls, per GPU and stream, from a jax.profiler trace.
+"""The GPU timeline of a fused op (2+ GPUs): every kernel and copy of a few back-to-back calls,
+per GPU and stream, from a jax.profiler trace.
 
-    python benchmarks/gemm_rs_timeline.py M K N OUTDIR [--modes pass,epilogue] [--calls 4]
+    python benchmarks/fused_timeline.py M K N OUTDIR [--op gemm_rs|ag_gemm] [--modes ...] [--calls 4]
 
+M, K, N are the benchmark's global shape (shapes.json): gemm_rs multiplies x [M, K] sharded along
+K by w [K, N] sharded along K; ag_gemm multiplies x [M, K] sharded along M by w [K, N] sharded
+along N. --modes: gemm_rs's reduction modes (pass, epilogue); ag_gemm has one mode, `fused`
+(its env knobs, e.g. JAXFLUX_AG_GEMM_LOCAL=copy, select variants).
 Prints `GPU  stream  start_us  duration_us  name` rows (start from the trace's first GPU event).
-It is how the epilogue mode's stall was found: the peer's push (MemcpyP2P) ran 19-24x slower while
-the own-rows GEMM spun on its flag (benchmarks/logs/gemm_rs_timeline_hostpoll_session5_*.log).
+It is how GEMM+RS's epilogue stall was found: the peer's push (MemcpyP2P) ran 19-24x slower
+while the own-rows GEMM spun on its flag (benchmarks/logs/gemm_rs_timeline_hostpoll_session5_*.log).
 """
 from __future__ import annotations
 
@@ -22,8 +26,9 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-# The module (jaxflux.ops re-exports the function under the same name).
+# The modules (jaxflux.ops re-exports their functions under the same names).
 rs = importlib.import_module("jaxflux.ops.matmul_reduce_scatter")
+ag = importlib.import_module("jaxflux.ops.all_gather_matmul")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from profile_summary import newest_trace  # noqa: E402 (beside this script, not a package)
 
@@ -42,32 +47,46 @@ def gpu_events(trace_dir: pathlib.Path) -> list[tuple[str, str, float, float, st
                                                                               e["ts"]))]
 
 
+def fused_call(op: str, mode: str, mesh: Mesh):
+  """The jitted fused op over `mesh` (global operands in, global result out)."""
+  if op == "gemm_rs":
+    return jax.jit(jax.shard_map(lambda a, b: rs._fused(a, b, "tp", reduce=mode), mesh=mesh,
+                                 in_specs=(P(None, "tp"), P("tp", None)),
+                                 out_specs=P("tp", None)))
+  if mode != "fused":
+    raise SystemExit(f"--op ag_gemm has one mode, fused (got {mode!r})")
+  return jax.jit(jax.shard_map(lambda a, b: ag._fused(a, b, "tp", False)[0], mesh=mesh,
+                               in_specs=(P("tp", None), P(None, "tp")),
+                               out_specs=P(None, "tp")))
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("M", type=int)
   p.add_argument("K", type=int)
   p.add_argument("N", type=int)
   p.add_argument("outdir", type=pathlib.Path)
-  p.add_argument("--modes", default="pass,epilogue")
+  p.add_argument("--op", choices=("gemm_rs", "ag_gemm"), default="gemm_rs")
+  p.add_argument("--modes", default=None,
+                 help="gemm_rs: pass,epilogue (default both); ag_gemm: fused")
   p.add_argument("--calls", type=int, default=4)
   args = p.parse_args(argv)
+  modes = args.modes or ("pass,epilogue" if args.op == "gemm_rs" else "fused")
   mesh = Mesh(np.asarray(jax.devices()), ("tp",))
   kx, kw = jax.random.split(jax.random.key(0))
   x = jax.random.normal(kx, (args.M, args.K), jnp.float32).astype(jnp.bfloat16)
   w = (jax.random.normal(kw, (args.K, args.N), jnp.float32) / np.sqrt(args.K)).astype(
       jnp.bfloat16)
-  for mode in args.modes.split(","):
-    f = jax.jit(jax.shard_map(lambda a, b, mode=mode: rs._fused(a, b, "tp", reduce=mode),
-                              mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
-                              out_specs=P("tp", None)))
+  for mode in modes.split(","):
+    f = fused_call(args.op, mode, mesh)
     for _ in range(3):  # compile and warm up outside the trace
       f(x, w).block_until_ready()
-    trace_dir = args.outdir / f"trace_{mode}"
+    trace_dir = args.outdir / f"trace_{args.op}_{mode}"
     with jax.profiler.trace(str(trace_dir)):
       for _ in range(args.calls):
         out = f(x, w)
       out.block_until_ready()
-    print(f"==== {mode}")
+    print(f"==== {args.op} {mode}")
     for gpu, stream, start, dur, name in gpu_events(trace_dir):
       print(f"{gpu[:14]:14s} {stream[:22]:>22s} {start:10.1f} {dur:9.1f}  {name[:90]}")
 

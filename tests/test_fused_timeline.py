@@ -1,15 +1,15 @@
-"""benchmarks/gemm_rs_timeline.py's trace reading on a synthetic trace: GPU events only, named by
+"""benchmarks/fused_timeline.py's trace reading on a synthetic trace: GPU events only, named by
 process and stream, ordered per GPU by start, times from the first GPU event. (Tracing the op
 itself needs 2 GPUs: the script's main runs on the GPU machine.)"""
 import pathlib
 
 from conftest import load_script, write_trace
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gemm_rs_timeline.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "fused_timeline.py"
 
 
 def test_gpu_events_of_a_synthetic_trace(tmp_path):
-  timeline = load_script(SCRIPT, "gemm_rs_timeline")
+  timeline = load_script(SCRIPT, "fused_timeline")
   events = [
       {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:1"}},
       {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
