@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -178,17 +179,83 @@ bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k) {
   }
 }
 
-// Rows per pushed chunk of the peer's partial (split push with the epilogue reduction,
-// unbatched x): kMaxChunks chunks cut at 128-row tiles (a chunk costs only a copy and a flag);
-// s.m (one chunk) when the partial is within the epilogue's measured no-stall size
-// (kEpilogueBytesPerK bytes per K), where waiting for all of it costs nothing.
-size_t PushChunkRows(const Shapes& s, bool epilogue_reduce) {
-  if (Push() != PushMode::kSplit || !epilogue_reduce || s.batch != 1) return s.m;
-  const size_t bytes = s.m * s.n * s.elem;
-  if (bytes <= kEpilogueBytesPerK * s.k) return s.m;
-  size_t rows = (s.m + kMaxChunks - 1) / kMaxChunks;
-  rows = (rows + 127) / 128 * 128;
-  return std::min(rows, s.m);
+// Where the split push cuts the peer's partial (JAXFLUX_GEMM_RS_CHUNKS; an experiment):
+// - even (default): kMaxChunks chunks of equal rows, cut at 128-row tiles.
+// - waves: each chunk as long as it can be while still landing before the wave of the owner's
+//   GEMM that first needs its first row (PlanWaveChunks), so the first chunk is about one
+//   wave's rows. The session 7 timeline (benchmarks/README.md) suggests that even chunks make
+//   the first waves of llama70b-out at M >= 4096 wait ~10-18 us in total (estimated from the
+//   chunk times, not measured per tile).
+enum class ChunkMode { kEven, kWaves };
+static_assert(kAgGemmMaxChunks == kMaxChunks, "the kernel's chunk_ends hold one push's chunks");
+
+ChunkMode Chunks() {
+  static const ChunkMode mode = [] {
+    const char* env = std::getenv("JAXFLUX_GEMM_RS_CHUNKS");
+    return env != nullptr && std::string(env) == "waves" ? ChunkMode::kWaves : ChunkMode::kEven;
+  }();
+  return mode;
+}
+
+// The split push's chunks: their end rows within the owner's m rows (ascending, the last = m).
+struct PushChunks {
+  std::array<size_t, kMaxChunks> ends{};
+  int count = 1;
+  bool even = true;  // equal chunks of ends[0] rows (the kernel's chunk_rows)
+};
+
+// A model of the own-rows GEMM and the push, with constants measured on 2xH200 in session 7
+// (the GEMM+RS timeline): the GEMM (128x256 tiles in 2x1 clusters, rows swept along N) retires
+// one wave of sm_count tiles every 2*128*256*K / kSmFlopsPerS seconds, wave w having then
+// consumed the rows of the first ceil((w+1)*sm_count / (2*n_tiles)) cluster rows (256 rows
+// each); the push lands rows at kPushBytesPerS, starting kPushStartS after the GEMM starts and
+// kChunkGapS later per chunk (the flag write and the next copy's start).
+// A chunk is on time when it lands before the wave that first needs its first row ends. The
+// cuts are placed from the last chunk back: each chunk starts as late as keeps the next one on
+// time, so the first chunk is as short as the later ones allow (about one wave's rows).
+PushChunks PlanWaveChunks(size_t m, size_t n, size_t k, size_t elem, int sm_count) {
+  constexpr double kSmFlopsPerS = 5.7e12, kPushBytesPerS = 3.65e11;
+  constexpr double kPushStartS = 8e-6, kChunkGapS = 6e-6;
+  const double wave_s = 2.0 * 128 * 256 * static_cast<double>(k) / kSmFlopsPerS;
+  const double rows_per_s = kPushBytesPerS / static_cast<double>(n * elem);
+  const size_t cluster_rows_per_wave_num = static_cast<size_t>(std::max(sm_count, 1));
+  const size_t tiles_per_cluster_row = 2 * ((n + 255) / 256);
+  auto rows_done_by_wave = [&](size_t wave) {  // rows that waves 0..wave consume
+    const size_t tiles = (wave + 1) * cluster_rows_per_wave_num;
+    return (tiles + tiles_per_cluster_row - 1) / tiles_per_cluster_row * 256;
+  };
+  std::array<size_t, kMaxChunks> ends{};
+  ends[kMaxChunks - 1] = m;
+  int first = kMaxChunks - 1;  // index of the first non-empty chunk
+  for (int c = kMaxChunks - 1; c > 0; --c) {
+    const double lands_s = kPushStartS + ends[c] / rows_per_s + c * kChunkGapS;
+    // The chunk is on time if its first row is first needed by wave >= `wave`.
+    const long wave = static_cast<long>(std::ceil(lands_s / wave_s)) - 1;
+    const size_t start = wave >= 1 ? rows_done_by_wave(static_cast<size_t>(wave - 1)) : 0;
+    if (start == 0 || ends[c] <= 128) break;  // this chunk can start at row 0
+    ends[c - 1] = std::min((start + 127) / 128 * 128, ends[c] - 128);
+    first = c - 1;
+  }
+  PushChunks plan;
+  plan.even = false;
+  plan.count = kMaxChunks - first;
+  for (int c = 0; c < plan.count; ++c) plan.ends[c] = ends[first + c];
+  return plan;
+}
+
+// The chunks of the split push (with the epilogue reduction, unbatched x), or one chunk (s.m
+// rows) when the partial is within the epilogue's measured no-stall size (kEpilogueBytesPerK
+// bytes per K), where waiting for all of it costs nothing.
+PushChunks PlanPush(const Shapes& s, bool epilogue_reduce, int sm_count) {
+  PushChunks plan;
+  plan.ends[0] = s.m;
+  if (Push() != PushMode::kSplit || !epilogue_reduce || s.batch != 1) return plan;
+  if (s.m * s.n * s.elem <= kEpilogueBytesPerK * s.k) return plan;
+  if (Chunks() == ChunkMode::kWaves) return PlanWaveChunks(s.m, s.n, s.k, s.elem, sm_count);
+  const size_t rows = std::min(((s.m + kMaxChunks - 1) / kMaxChunks + 127) / 128 * 128, s.m);
+  plan.count = static_cast<int>((s.m + rows - 1) / rows);
+  for (int c = 0; c < plan.count; ++c) plan.ends[c] = std::min((c + 1) * rows, s.m);
+  return plan;
 }
 
 ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator scratch,
@@ -262,7 +329,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   problem.batch_stride_a = static_cast<int64_t>(s.rows * s.k);
   problem.batch_stride_d = static_cast<int64_t>(s.m * s.n);
   const bool epilogue_reduce = EpilogueReduce(tp, reduce_mode, partial_bytes, s.k);
-  const size_t chunk_rows = PushChunkRows(s, epilogue_reduce);  // s.m: one chunk
+  const PushChunks chunks = PlanPush(s, epilogue_reduce, res->sm_count);  // 1: the whole partial
   const int peer = (rank + 1) % static_cast<int>(tp);  // the only peer when epilogue_reduce
   RsGemmProblem own{};  // the own rows with the reduction in the epilogue (tp = 2)
   if (epilogue_reduce) {
@@ -275,7 +342,10 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     wait.flags[0] = res->ready_flags + flag_index + g.peers[peer];
     wait.flag_base = flag_value - 1;  // chunk c landed once the flag reaches flag_base + c + 1
     wait.rows_per_shard = static_cast<int>(s.m);
-    wait.chunk_rows = static_cast<int>(chunk_rows);
+    wait.chunk_rows = static_cast<int>(chunks.ends[0]);
+    if (!chunks.even) {
+      for (int c = 0; c < chunks.count; ++c) wait.chunk_ends[c] = static_cast<int>(chunks.ends[c]);
+    }
     wait.tp = 1;
     wait.op = static_cast<int32_t>(OpCode::kMatmulReduceScatter);
     wait.source_ranks[0] = peer;
@@ -302,7 +372,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
       JAXFLUX_CUDA(cudaGetLastError());
       break;
     }
-    if (p != rank && chunk_rows < s.m) {
+    if (p != rank && chunks.count > 1) {
       // One GEMM of the peer's rows, then its partial pushed chunk by chunk, each flagged.
       problem.a = x_base_of(p);
       problem.d = stage_base + static_cast<size_t>(p) * slot_bytes;
@@ -314,10 +384,11 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
       JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
       const size_t out_row = s.n * s.elem;
       const char* stage = static_cast<const char*>(problem.d);
-      for (size_t row0 = 0, c = 0; row0 < s.m; row0 += chunk_rows, ++c) {
-        const size_t rows = std::min(chunk_rows, s.m - row0);
+      for (int c = 0; c < chunks.count; ++c) {
+        const size_t row0 = c == 0 ? 0 : chunks.ends[c - 1];
         JAXFLUX_CUDA(cudaMemcpyAsync(recv(p, rank) + row0 * out_row, stage + row0 * out_row,
-                                     rows * out_row, cudaMemcpyDefault, res->side));
+                                     (chunks.ends[c] - row0) * out_row, cudaMemcpyDefault,
+                                     res->side));
         if (!skip && !WriteFlag(res->side, group.ranks[p]->ready_flags + flag_index + g.slot,
                                 flag_value + c, &failed)) {
           return Fail(failed);
