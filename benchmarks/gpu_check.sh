@@ -29,6 +29,10 @@
 #   rschunks  experiment: GEMM+RS's split push cut where a model of the owner's GEMM waves says
 #             (JAXFLUX_GEMM_RS_CHUNKS=waves) against even chunks: its GPU tests, then the two
 #             interleaved twice on the out-projections at M=4096..16384 (~6 min)
+#   rsepitile experiment: GEMM+RS's own-rows GEMM with a 128x64 epilogue sub-tile (a whole
+#             tile of the peer's partial prefetched, one mainloop stage fewer;
+#             JAXFLUX_GEMM_RS_EPILOGUE_TILE=128x64, bf16) against the automatic 128x32: its GPU
+#             tests, then the two interleaved twice at M=2048,8192 (~6 min)
 #   timelines the GPU timeline (kernels and copies per stream, JAX profiler) of a few calls of
 #             AG+GEMM (llama70b-qkv M=2048, llama70b-fc1 M=8192) and GEMM+RS (llama70b-out
 #             M=4096): where each fused op's time over its GEMM goes (~2 min)
@@ -36,7 +40,7 @@
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
-STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect rschunks timelines}
+STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect rschunks rsepitile timelines}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLUX_CUDA=ON
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
@@ -204,6 +208,23 @@ if stage rschunks; then
     done
     python3 benchmarks/compare_runs.py "$OUTDIR/gemm_rs_chunks_even_$run.json" \
       "$OUTDIR/gemm_rs_chunks_waves_$run.json" --variants jaxflux || status=1
+  done
+fi
+
+if stage rsepitile; then
+  JAXFLUX_GEMM_RS_EPILOGUE_TILE=128x64 timeout 200 python3 -m pytest -q -rs -m gpu \
+    tests/test_gemm_rs_gpu.py -k "benchmark_shapes or back_to_back or deterministic or gradients" \
+    -p no:cacheprovider -o faulthandler_timeout=90 > "$OUTDIR/gemm_rs_epi128x64_tests.log" 2>&1 \
+    || status=1
+  tail -3 "$OUTDIR/gemm_rs_epi128x64_tests.log"
+  for run in 1 2; do
+    for tile in auto 128x64; do
+      JAXFLUX_GEMM_RS_EPILOGUE_TILE=$tile timeout 90 python3 -m jaxflux.bench --op gemm_rs \
+        --M 2048,8192 --variants jaxflux --timing device --iters 30 --repeats 3 --warmup 3 \
+        --out "$OUTDIR/gemm_rs_epitile_${tile}_$run.json" > /dev/null 2>&1 || status=1
+    done
+    python3 benchmarks/compare_runs.py "$OUTDIR/gemm_rs_epitile_auto_$run.json" \
+      "$OUTDIR/gemm_rs_epitile_128x64_$run.json" --variants jaxflux || status=1
   done
 fi
 
