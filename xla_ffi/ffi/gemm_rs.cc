@@ -159,7 +159,7 @@ PushMode Push() {
 // 16 cases but one within 0.5%. JAXFLUX_GEMM_RS_REDUCE=pass|epilogue overrides (measurement).
 constexpr size_t kEpilogueBytesPerK = 6144;
 
-bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k) {
+bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k, size_t batch) {
   static const int forced = [] {  // 0: choose, 1: pass, 2: epilogue
     const char* env = std::getenv("JAXFLUX_GEMM_RS_REDUCE");
     if (env == nullptr) return 0;
@@ -173,9 +173,11 @@ bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k) {
     case ReduceMode::kEpilogue:
       return tp == 2;
     default:
-      // Pushed in chunks, the partial's first chunk is there soon after the owner's GEMM
-      // starts.
-      return tp == 2 && (Push() == PushMode::kSplit || partial_bytes <= kEpilogueBytesPerK * k);
+      // Pushed in chunks (split, unbatched x: PlanPush), the partial's first chunk is
+      // there soon after the owner's GEMM starts; pushed whole, it must be within the size the
+      // epilogue waits for without stalling.
+      return tp == 2 && ((Push() == PushMode::kSplit && batch == 1) ||
+                         partial_bytes <= kEpilogueBytesPerK * k);
   }
 }
 
@@ -328,7 +330,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   problem.batch = static_cast<int>(s.batch);
   problem.batch_stride_a = static_cast<int64_t>(s.rows * s.k);
   problem.batch_stride_d = static_cast<int64_t>(s.m * s.n);
-  const bool epilogue_reduce = EpilogueReduce(tp, reduce_mode, partial_bytes, s.k);
+  const bool epilogue_reduce = EpilogueReduce(tp, reduce_mode, partial_bytes, s.k, s.batch);
   const PushChunks chunks = PlanPush(s, epilogue_reduce, res->sm_count);  // 1: the whole partial
   const int peer = (rank + 1) % static_cast<int>(tp);  // the only peer when epilogue_reduce
   RsGemmProblem own{};  // the own rows with the reduction in the epilogue (tp = 2)
