@@ -28,7 +28,7 @@
 #             tests/test_ag_gemm_gpu.py are the `tests` stage)
 #   rschunks  experiment: GEMM+RS's split push cut where a model of the owner's GEMM waves says
 #             (JAXFLUX_GEMM_RS_CHUNKS=waves) against even chunks: its GPU tests, then the two
-#             interleaved twice on the out-projections at M=4096..16384 (~6 min)
+#             interleaved twice on every GEMM+RS shape at M=2048..16384 (~8 min)
 #   rsepitile experiment: GEMM+RS's own-rows GEMM with a 128x64 epilogue sub-tile (a whole
 #             tile of the peer's partial prefetched, one mainloop stage fewer;
 #             JAXFLUX_GEMM_RS_EPILOGUE_TILE=128x64, bf16) against the automatic 128x32: its GPU
@@ -202,7 +202,7 @@ if stage rschunks; then
   for run in 1 2; do
     for mode in even waves; do
       JAXFLUX_GEMM_RS_CHUNKS=$mode timeout 90 python3 -m jaxflux.bench --op gemm_rs \
-        --shapes llama70b-out,gpt3-out --M 4096,8192,16384 --variants jaxflux --timing device \
+        --M 2048,4096,8192,16384 --variants jaxflux --timing device \
         --iters 30 --repeats 3 --warmup 3 --out "$OUTDIR/gemm_rs_chunks_${mode}_$run.json" \
         > /dev/null 2>&1 || status=1
     done

@@ -245,15 +245,16 @@ PushChunks PlanWaveChunks(size_t m, size_t n, size_t k, size_t elem, int sm_coun
   return plan;
 }
 
-// The chunks of the split push (with the epilogue reduction, unbatched x), or one chunk (s.m
-// rows) when the partial is within the epilogue's measured no-stall size (kEpilogueBytesPerK
-// bytes per K), where waiting for all of it costs nothing.
+// The chunks of the split push (with the epilogue reduction, unbatched x). Even chunks: one
+// chunk (s.m rows) when the partial is within the epilogue's measured no-stall size
+// (kEpilogueBytesPerK bytes per K), where waiting for all of it costs nothing.
 PushChunks PlanPush(const Shapes& s, bool epilogue_reduce, int sm_count) {
   PushChunks plan;
   plan.ends[0] = s.m;
   if (Push() != PushMode::kSplit || !epilogue_reduce || s.batch != 1) return plan;
-  if (s.m * s.n * s.elem <= kEpilogueBytesPerK * s.k) return plan;
+  // The wave model decides for itself whether one chunk lands on time (its plan has one chunk).
   if (Chunks() == ChunkMode::kWaves) return PlanWaveChunks(s.m, s.n, s.k, s.elem, sm_count);
+  if (s.m * s.n * s.elem <= kEpilogueBytesPerK * s.k) return plan;
   const size_t rows = std::min(((s.m + kMaxChunks - 1) / kMaxChunks + 127) / 128 * 128, s.m);
   plan.count = static_cast<int>((s.m + rows - 1) / rows);
   for (int c = 0; c < plan.count; ++c) plan.ends[c] = std::min((c + 1) * rows, s.m);
