@@ -234,8 +234,12 @@ PushChunks PlanWaveChunks(size_t m, size_t n, size_t k, size_t elem, int sm_coun
     // The chunk is on time if its first row is first needed by wave >= `wave`.
     const long wave = static_cast<long>(std::ceil(lands_s / wave_s)) - 1;
     const size_t start = wave >= 1 ? rows_done_by_wave(static_cast<size_t>(wave - 1)) : 0;
-    if (start == 0 || ends[c] <= 128) break;  // this chunk can start at row 0
-    ends[c - 1] = std::min((start + 127) / 128 * 128, ends[c] - 128);
+    const size_t cut = (start + 127) / 128 * 128;
+    // start 0: the chunk may begin at row 0 (the earlier ones merge into it); cut >= its end:
+    // it is late wherever it begins (the GEMM is short next to the push), so cutting earlier
+    // gains nothing.
+    if (start == 0 || cut >= ends[c]) break;
+    ends[c - 1] = cut;
     first = c - 1;
   }
   PushChunks plan;
