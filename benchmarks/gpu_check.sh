@@ -189,10 +189,10 @@ fi
 if stage timelines; then
   for spec in "ag_gemm 2048 8192 10240" "ag_gemm 8192 8192 28672" "gemm_rs 4096 8192 8192"; do
     read -r op m k n <<< "$spec"
-    modes=$([[ $op == gemm_rs ]] && echo epilogue || echo fused)
+    modes=$([[ $op == gemm_rs ]] && echo epilogue,gemm_only || echo fused,gemm_only)
     timeout 60 python3 benchmarks/fused_timeline.py "$m" "$k" "$n" "$OUTDIR/trace_tmp" --op "$op" \
       --modes "$modes" --calls 3 > "$OUTDIR/timeline_${op}_M${m}_N${n}.log" 2>&1 || status=1
-    grep -v "^[WEI][0-9 ]" "$OUTDIR/timeline_${op}_M${m}_N${n}.log" | tail -12
+    grep -v "^[WEI][0-9 ]" "$OUTDIR/timeline_${op}_M${m}_N${n}.log" | tail -20
   done
   rm -rf "$OUTDIR/trace_tmp"
 fi
