@@ -26,6 +26,11 @@
 #             default) against copying them in first (=copy): interleaved runs at M=2048,8192,
 #             then one with the GEMM-alone and GEMM-only columns (~5 min; the GPU tests of
 #             tests/test_ag_gemm_gpu.py are the `tests` stage)
+#   tables    the full tables of issues 4 and 5: every shape of one op ($TABLE_OP, default
+#             ag_gemm) at the M list $TABLE_M (default 1024,2048,4096,8192,16384) with every
+#             variant the issues compare (gemm, gemm_only, comm, xla, xla_windowed, pallas for
+#             ag_gemm, jaxflux, auto), device clock (~8 min per op and 2-3 M values: split the M
+#             list over calls)
 #   timelines the GPU timeline (kernels and copies per stream, JAX profiler) of a few calls of
 #             AG+GEMM (llama70b-qkv M=2048, llama70b-fc1 M=8192) and GEMM+RS (llama70b-out
 #             M=4096): where each fused op's time over its GEMM goes (~2 min)
@@ -33,7 +38,7 @@
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
-STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect timelines}
+STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect tables timelines}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLUX_CUDA=ON
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
@@ -184,6 +189,17 @@ if stage localdirect; then
   timeout 150 python3 -m jaxflux.bench --op ag_gemm --M 2048,4096,8192 \
     --variants gemm,gemm_only,xla,jaxflux --timing device --iters 30 --repeats 3 --warmup 3 \
     --out "$OUTDIR/ag_gemm_local_direct_ratios.json" 2>&1 | grep -A14 "^name" || status=1
+fi
+
+if stage tables; then
+  op=${TABLE_OP:-ag_gemm}
+  variants=gemm,gemm_only,comm,xla,xla_windowed,jaxflux,auto
+  [[ $op == ag_gemm ]] && variants=gemm,gemm_only,comm,xla,xla_windowed,pallas,jaxflux,auto
+  for m in $(echo "${TABLE_M:-1024,2048,4096,8192,16384}" | tr , ' '); do
+    timeout 500 python3 -m jaxflux.bench --op "$op" --M "$m" --variants "$variants" \
+      --timing device --iters 30 --repeats 3 --warmup 3 --out "$OUTDIR/${op}_table_M$m.json" \
+      2>&1 | grep -A6 "^name" || status=1
+  done
 fi
 
 if stage timelines; then
