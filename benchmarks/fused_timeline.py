@@ -5,8 +5,9 @@ per GPU and stream, from a jax.profiler trace.
 
 M, K, N are the benchmark's global shape (shapes.json): gemm_rs multiplies x [M, K] sharded along
 K by w [K, N] sharded along K; ag_gemm multiplies x [M, K] sharded along M by w [K, N] sharded
-along N. --modes: gemm_rs's reduction modes (pass, epilogue); ag_gemm has one mode, `fused`
-(its env knobs, e.g. JAXFLUX_AG_GEMM_LOCAL=copy, select variants).
+along N. --modes: gemm_rs's reduction modes (pass, epilogue); ag_gemm's `fused` (env knobs,
+e.g. JAXFLUX_AG_GEMM_LOCAL=copy, select variants); for both, `gemm_only`: the op's GEMM alone
+on the same per-device shape with communication off, as the benchmark's gemm_only column.
 Prints `GPU  stream  start_us  duration_us  name` rows (start from the trace's first GPU event).
 It is how GEMM+RS's epilogue stall was found: the peer's push (MemcpyP2P) ran 19-24x slower
 while the own-rows GEMM spun on its flag (benchmarks/logs/gemm_rs_timeline_hostpoll_session5_*.log).
@@ -14,6 +15,7 @@ while the own-rows GEMM spun on its flag (benchmarks/logs/gemm_rs_timeline_hostp
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import importlib
 import json
@@ -48,13 +50,24 @@ def gpu_events(trace_dir: pathlib.Path) -> list[tuple[str, str, float, float, st
 
 
 def fused_call(op: str, mode: str, mesh: Mesh):
-  """The jitted fused op over `mesh` (global operands in, global result out)."""
+  """The jitted fused op over `mesh` (global operands in, global result out); mode gemm_only:
+  its GEMM alone on the same per-device shape, communication off (the benchmark's column)."""
+  if mode == "gemm_only":
+    from jaxflux.ops import gemm as gemm_module
+    if op == "gemm_rs":  # every device: all M rows by its K-slice, in the owners' order
+      body = functools.partial(gemm_module.gemm, tile_order="matmul_reduce_scatter",
+                               owners=mesh.shape["tp"])
+      return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
+                                   out_specs=P("tp", None)))
+    body = functools.partial(gemm_module.gemm, tile_order="all_gather_matmul")
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "tp")),
+                                 out_specs=P(None, "tp")))
   if op == "gemm_rs":
     return jax.jit(jax.shard_map(lambda a, b: rs._fused(a, b, "tp", reduce=mode), mesh=mesh,
                                  in_specs=(P(None, "tp"), P("tp", None)),
                                  out_specs=P("tp", None)))
   if mode != "fused":
-    raise SystemExit(f"--op ag_gemm has one mode, fused (got {mode!r})")
+    raise SystemExit(f"--op ag_gemm's modes are fused and gemm_only (got {mode!r})")
   return jax.jit(jax.shard_map(lambda a, b: ag._fused(a, b, "tp", False)[0], mesh=mesh,
                                in_specs=(P("tp", None), P(None, "tp")),
                                out_specs=P(None, "tp")))
@@ -68,7 +81,8 @@ def main(argv=None) -> None:
   p.add_argument("outdir", type=pathlib.Path)
   p.add_argument("--op", choices=("gemm_rs", "ag_gemm"), default="gemm_rs")
   p.add_argument("--modes", default=None,
-                 help="gemm_rs: pass,epilogue (default both); ag_gemm: fused")
+                 help="gemm_rs: pass, epilogue (default both); ag_gemm: fused (default); "
+                      "both: gemm_only")
   p.add_argument("--calls", type=int, default=4)
   args = p.parse_args(argv)
   modes = args.modes or ("pass,epilogue" if args.op == "gemm_rs" else "fused")

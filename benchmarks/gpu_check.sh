@@ -33,6 +33,11 @@
 #             tile of the peer's partial prefetched, one mainloop stage fewer;
 #             JAXFLUX_GEMM_RS_EPILOGUE_TILE=128x64, bf16) against the automatic 128x32: its GPU
 #             tests, then the two interleaved twice at M=2048,8192 (~6 min)
+#   tables    the full tables of issues 4 and 5: every shape of one op ($TABLE_OP, default
+#             ag_gemm) at the M list $TABLE_M (default 1024,2048,4096,8192,16384) with every
+#             variant the issues compare (gemm, gemm_only, comm, xla, xla_windowed, pallas for
+#             ag_gemm, jaxflux, auto), device clock (~8 min per op and 2-3 M values: split the M
+#             list over calls)
 #   timelines the GPU timeline (kernels and copies per stream, JAX profiler) of a few calls of
 #             AG+GEMM (llama70b-qkv M=2048, llama70b-fc1 M=8192) and GEMM+RS (llama70b-out
 #             M=4096): where each fused op's time over its GEMM goes (~2 min)
@@ -40,7 +45,7 @@
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
-STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect rschunks rsepitile timelines}
+STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect rschunks rsepitile tables timelines}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLUX_CUDA=ON
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
@@ -228,13 +233,24 @@ if stage rsepitile; then
   done
 fi
 
+if stage tables; then
+  op=${TABLE_OP:-ag_gemm}
+  variants=gemm,gemm_only,comm,xla,xla_windowed,jaxflux,auto
+  [[ $op == ag_gemm ]] && variants=gemm,gemm_only,comm,xla,xla_windowed,pallas,jaxflux,auto
+  for m in $(echo "${TABLE_M:-1024,2048,4096,8192,16384}" | tr , ' '); do
+    timeout 500 python3 -m jaxflux.bench --op "$op" --M "$m" --variants "$variants" \
+      --timing device --iters 30 --repeats 3 --warmup 3 --out "$OUTDIR/${op}_table_M$m.json" \
+      2>&1 | grep -A6 "^name" || status=1
+  done
+fi
+
 if stage timelines; then
   for spec in "ag_gemm 2048 8192 10240" "ag_gemm 8192 8192 28672" "gemm_rs 4096 8192 8192"; do
     read -r op m k n <<< "$spec"
-    modes=$([[ $op == gemm_rs ]] && echo epilogue || echo fused)
+    modes=$([[ $op == gemm_rs ]] && echo epilogue,gemm_only || echo fused,gemm_only)
     timeout 60 python3 benchmarks/fused_timeline.py "$m" "$k" "$n" "$OUTDIR/trace_tmp" --op "$op" \
       --modes "$modes" --calls 3 > "$OUTDIR/timeline_${op}_M${m}_N${n}.log" 2>&1 || status=1
-    grep -v "^[WEI][0-9 ]" "$OUTDIR/timeline_${op}_M${m}_N${n}.log" | tail -12
+    grep -v "^[WEI][0-9 ]" "$OUTDIR/timeline_${op}_M${m}_N${n}.log" | tail -20
   done
   rm -rf "$OUTDIR/trace_tmp"
 fi
