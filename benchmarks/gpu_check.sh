@@ -242,6 +242,7 @@ if stage tables; then
       --timing device --iters 30 --repeats 3 --warmup 3 --out "$OUTDIR/${op}_table_M$m.json" \
       2>&1 | grep -A6 "^name" || status=1
   done
+  python3 benchmarks/issue_criteria.py "$OUTDIR/${op}"_table_M*.json  # the issue's checklist
 fi
 
 if stage timelines; then
