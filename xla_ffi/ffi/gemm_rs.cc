@@ -27,7 +27,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -41,6 +40,7 @@
 #include "xla_ffi/ffi/errors.h"
 #include "xla_ffi/ffi/gemm_wait.h"
 #include "xla_ffi/ffi/group.h"
+#include "xla_ffi/ffi/push_plan.h"
 #include "xla_ffi/kernels/gemm_sm90.h"
 #include "xla_ffi/kernels/reduce_kernels.h"
 #include "xla_ffi/kernels/rs_gemm_sm90.h"
@@ -190,6 +190,7 @@ bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k, si
 //   chunk times, not measured per tile).
 enum class ChunkMode { kEven, kWaves };
 static_assert(kAgGemmMaxChunks == kMaxChunks, "the kernel's chunk_ends hold one push's chunks");
+static_assert(kPushMaxChunks == kMaxChunks, "a push plan's chunks are flagged e*kMaxChunks + c + 1");
 
 ChunkMode Chunks() {
   static const ChunkMode mode = [] {
@@ -197,56 +198,6 @@ ChunkMode Chunks() {
     return env != nullptr && std::string(env) == "waves" ? ChunkMode::kWaves : ChunkMode::kEven;
   }();
   return mode;
-}
-
-// The split push's chunks: their end rows within the owner's m rows (ascending, the last = m).
-struct PushChunks {
-  std::array<size_t, kMaxChunks> ends{};
-  int count = 1;
-  bool even = true;  // equal chunks of ends[0] rows (the kernel's chunk_rows)
-};
-
-// A model of the own-rows GEMM and the push, with constants measured on 2xH200 in session 7
-// (the GEMM+RS timeline): the GEMM (128x256 tiles in 2x1 clusters, rows swept along N) retires
-// one wave of sm_count tiles every 2*128*256*K / kSmFlopsPerS seconds, wave w having then
-// consumed the rows of the first ceil((w+1)*sm_count / (2*n_tiles)) cluster rows (256 rows
-// each); the push lands rows at kPushBytesPerS, starting kPushStartS after the GEMM starts and
-// kChunkGapS later per chunk (the flag write and the next copy's start).
-// A chunk is on time when it lands before the wave that first needs its first row ends. The
-// cuts are placed from the last chunk back: each chunk starts as late as keeps the next one on
-// time, so the first chunk is as short as the later ones allow (about one wave's rows).
-PushChunks PlanWaveChunks(size_t m, size_t n, size_t k, size_t elem, int sm_count) {
-  constexpr double kSmFlopsPerS = 5.7e12, kPushBytesPerS = 3.65e11;
-  constexpr double kPushStartS = 8e-6, kChunkGapS = 6e-6;
-  const double wave_s = 2.0 * 128 * 256 * static_cast<double>(k) / kSmFlopsPerS;
-  const double rows_per_s = kPushBytesPerS / static_cast<double>(n * elem);
-  const size_t cluster_rows_per_wave_num = static_cast<size_t>(std::max(sm_count, 1));
-  const size_t tiles_per_cluster_row = 2 * ((n + 255) / 256);
-  auto rows_done_by_wave = [&](size_t wave) {  // rows that waves 0..wave consume
-    const size_t tiles = (wave + 1) * cluster_rows_per_wave_num;
-    return (tiles + tiles_per_cluster_row - 1) / tiles_per_cluster_row * 256;
-  };
-  std::array<size_t, kMaxChunks> ends{};
-  ends[kMaxChunks - 1] = m;
-  int first = kMaxChunks - 1;  // index of the first non-empty chunk
-  for (int c = kMaxChunks - 1; c > 0; --c) {
-    const double lands_s = kPushStartS + ends[c] / rows_per_s + c * kChunkGapS;
-    // The chunk is on time if its first row is first needed by wave >= `wave`.
-    const long wave = static_cast<long>(std::ceil(lands_s / wave_s)) - 1;
-    const size_t start = wave >= 1 ? rows_done_by_wave(static_cast<size_t>(wave - 1)) : 0;
-    const size_t cut = (start + 127) / 128 * 128;
-    // start 0: the chunk may begin at row 0 (the earlier ones merge into it); cut >= its end:
-    // it is late wherever it begins (the GEMM is short next to the push), so cutting earlier
-    // gains nothing.
-    if (start == 0 || cut >= ends[c]) break;
-    ends[c - 1] = cut;
-    first = c - 1;
-  }
-  PushChunks plan;
-  plan.even = false;
-  plan.count = kMaxChunks - first;
-  for (int c = 0; c < plan.count; ++c) plan.ends[c] = ends[first + c];
-  return plan;
 }
 
 // The chunks of the split push (with the epilogue reduction, unbatched x). Even chunks: one
@@ -259,10 +210,7 @@ PushChunks PlanPush(const Shapes& s, bool epilogue_reduce, int sm_count) {
   // The wave model decides for itself whether one chunk lands on time (its plan has one chunk).
   if (Chunks() == ChunkMode::kWaves) return PlanWaveChunks(s.m, s.n, s.k, s.elem, sm_count);
   if (s.m * s.n * s.elem <= kEpilogueBytesPerK * s.k) return plan;
-  const size_t rows = std::min(((s.m + kMaxChunks - 1) / kMaxChunks + 127) / 128 * 128, s.m);
-  plan.count = static_cast<int>((s.m + rows - 1) / rows);
-  for (int c = 0; c < plan.count; ++c) plan.ends[c] = std::min((c + 1) * rows, s.m);
-  return plan;
+  return PlanEvenChunks(s.m);
 }
 
 ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator scratch,
