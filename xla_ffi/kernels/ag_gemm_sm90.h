@@ -62,7 +62,7 @@ enum class AgGemmConfig : int {
 };
 inline constexpr int kAgGemmNumConfigs = 5;
 
-// The config for a problem: JAXFLUX_AG_GEMM_CONFIG=0..3 when set (measurement knob), else the
+// The config for a problem: JAXFLUX_AG_GEMM_CONFIG=0..4 when set (measurement knob), else the
 // default (per-shape choice: to be measured, issue 4).
 AgGemmConfig ChooseAgGemmConfig(const GemmProblem& problem);
 
