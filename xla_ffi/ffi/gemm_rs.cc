@@ -149,6 +149,10 @@ PushMode Push() {
   return mode;
 }
 
+// Whether the peer's partial can go in row chunks: the split push, and unbatched x (a batched
+// partial is one [b, m, N] slot whose row chunks are not contiguous; it goes whole).
+bool PushInChunks(size_t batch) { return Push() == PushMode::kSplit && batch == 1; }
+
 // Whether the own-rows GEMM reduces in its epilogue (tp = 2) rather than in a separate pass.
 // The epilogue saves the pass (it reads both partials and writes the output: ~partial/0.8 TB/s),
 // but its first wave of tiles waits for the whole peer partial, pushed over NVLink (~0.38 TB/s)
@@ -173,11 +177,10 @@ bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k, si
     case ReduceMode::kEpilogue:
       return tp == 2;
     default:
-      // Pushed in chunks (split, unbatched x: PlanPush), the partial's first chunk is
-      // there soon after the owner's GEMM starts; pushed whole, it must be within the size the
-      // epilogue waits for without stalling.
-      return tp == 2 && ((Push() == PushMode::kSplit && batch == 1) ||
-                         partial_bytes <= kEpilogueBytesPerK * k);
+      // Pushed in chunks, the partial's first chunk is there soon after the owner's GEMM
+      // starts; pushed whole, it must be within the size the epilogue waits for without
+      // stalling.
+      return tp == 2 && (PushInChunks(batch) || partial_bytes <= kEpilogueBytesPerK * k);
   }
 }
 
@@ -206,7 +209,7 @@ ChunkMode Chunks() {
 PushChunks PlanPush(const Shapes& s, bool epilogue_reduce, int sm_count) {
   PushChunks plan;
   plan.ends[0] = s.m;
-  if (Push() != PushMode::kSplit || !epilogue_reduce || s.batch != 1) return plan;
+  if (!PushInChunks(s.batch) || !epilogue_reduce) return plan;
   // The wave model decides for itself whether one chunk lands on time (its plan has one chunk).
   if (Chunks() == ChunkMode::kWaves) return PlanWaveChunks(s.m, s.n, s.k, s.elem, sm_count);
   if (s.m * s.n * s.elem <= kEpilogueBytesPerK * s.k) return plan;
@@ -297,10 +300,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     wait.flags[0] = res->ready_flags + flag_index + g.peers[peer];
     wait.flag_base = flag_value - 1;  // chunk c landed once the flag reaches flag_base + c + 1
     wait.rows_per_shard = static_cast<int>(s.m);
-    wait.chunk_rows = static_cast<int>(chunks.ends[0]);
-    if (!chunks.even) {
-      for (int c = 0; c < chunks.count; ++c) wait.chunk_ends[c] = static_cast<int>(chunks.ends[c]);
-    }
+    SetChunkEnds(&wait, chunks.ends, chunks.count);
     wait.tp = 1;
     wait.op = static_cast<int32_t>(OpCode::kMatmulReduceScatter);
     wait.source_ranks[0] = peer;
@@ -327,30 +327,6 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
       JAXFLUX_CUDA(cudaGetLastError());
       break;
     }
-    if (p != rank && chunks.count > 1) {
-      // One GEMM of the peer's rows, then its partial pushed chunk by chunk, each flagged.
-      problem.a = x_base_of(p);
-      problem.d = stage_base + static_cast<size_t>(p) * slot_bytes;
-      if (const char* failure = GemmSm90(s.dtype, problem, gemm_workspace, stream)) {
-        return Fail(failure);
-      }
-      JAXFLUX_CUDA(cudaGetLastError());
-      JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
-      JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
-      const size_t out_row = s.n * s.elem;
-      const char* stage = static_cast<const char*>(problem.d);
-      for (int c = 0; c < chunks.count; ++c) {
-        const size_t row0 = c == 0 ? 0 : chunks.ends[c - 1];
-        JAXFLUX_CUDA(cudaMemcpyAsync(recv(p, rank) + row0 * out_row, stage + row0 * out_row,
-                                     (chunks.ends[c] - row0) * out_row, cudaMemcpyDefault,
-                                     res->side));
-        if (!skip && !WriteFlag(res->side, group.ranks[p]->ready_flags + flag_index + g.slot,
-                                flag_value + c, &failed)) {
-          return Fail(failed);
-        }
-      }
-      continue;
-    }
     problem.a = x_base_of(p);
     problem.d = p == rank ? recv(rank, rank) : stage_base + static_cast<size_t>(p) * slot_bytes;
     if (const char* failure = GemmSm90(s.dtype, problem, gemm_workspace, stream)) {
@@ -358,13 +334,21 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     }
     JAXFLUX_CUDA(cudaGetLastError());
     if (p == rank) break;
+    // The peer's partial, pushed from the side stream chunk by chunk (one chunk: all of it,
+    // every batch entry), each chunk flagged on the peer as it lands.
     JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
     JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
-    JAXFLUX_CUDA(cudaMemcpyAsync(recv(p, rank), problem.d, partial_bytes, cudaMemcpyDefault,
-                                 res->side));
-    if (!skip && !WriteFlag(res->side, group.ranks[p]->ready_flags + flag_index + g.slot,
-                            flag_value, &failed)) {
-      return Fail(failed);
+    const size_t out_row = s.n * s.elem;
+    const char* stage = static_cast<const char*>(problem.d);
+    for (int c = 0; c < chunks.count; ++c) {
+      const size_t row0 = c == 0 ? 0 : chunks.ends[c - 1];
+      const size_t bytes = chunks.count == 1 ? partial_bytes : (chunks.ends[c] - row0) * out_row;
+      JAXFLUX_CUDA(cudaMemcpyAsync(recv(p, rank) + row0 * out_row, stage + row0 * out_row, bytes,
+                                   cudaMemcpyDefault, res->side));
+      if (!skip && !WriteFlag(res->side, group.ranks[p]->ready_flags + flag_index + g.slot,
+                              flag_value + c, &failed)) {
+        return Fail(failed);
+      }
     }
   }
 

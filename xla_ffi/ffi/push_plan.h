@@ -16,7 +16,6 @@ inline constexpr int kPushMaxChunks = 4;  // = the runtime's kMaxChunks (gemm_rs
 struct PushChunks {
   std::array<size_t, kPushMaxChunks> ends{};
   int count = 1;
-  bool even = true;  // equal chunks of ends[0] rows (the kernel's chunk_rows)
 };
 
 // kPushMaxChunks chunks of equal rows, cut at 128-row tiles (fewer when m is small).
@@ -67,7 +66,6 @@ inline PushChunks PlanWaveChunks(size_t m, size_t n, size_t k, size_t elem, int 
     first = c - 1;
   }
   PushChunks plan;
-  plan.even = false;
   plan.count = kPushMaxChunks - first;
   for (int c = 0; c < plan.count; ++c) plan.ends[c] = ends[first + c];
   return plan;

@@ -19,16 +19,15 @@ inline constexpr int kAgGemmMaxChunks = 4;  // = runtime kMaxChunks (checked whe
 
 // Where A's rows come from and how the kernel learns that they have landed.
 // A = [batch][tp][rows_per_shard][K]: rank p's shard of batch entry b starts at row
-// (b*tp + p)*rows_per_shard. Chunk c of rank p (rows [c*chunk_rows, (c+1)*chunk_rows) of each
-// shard, or [chunk_ends[c-1], chunk_ends[c]) when chunk_ends[0] > 0) has landed once
-// *flags[p] >= flag_base + c + 1; chunks land in order.
+// (b*tp + p)*rows_per_shard. Chunk c of rank p (rows [chunk_ends[c-1], chunk_ends[c]) of each
+// shard, chunk_ends[-1] = 0) has landed once *flags[p] >= flag_base + c + 1; chunks land in
+// order.
 struct AgGemmWait {
   const uint64_t* flags[kAgGemmMaxRanks];  // this device's flag for each source rank
   uint64_t flag_base;      // epoch * kMaxChunks
   int rows_per_shard;      // m (rows of one batch entry of one rank's shard)
-  int chunk_rows;          // rows per chunk (>= rows_per_shard when a shard is one chunk)
-  // Uneven chunks (GEMM+RS's JAXFLUX_GEMM_RS_CHUNKS=waves): the end row of each chunk within a
-  // shard, ascending, the last = rows_per_shard; all 0: even chunks of chunk_rows.
+  // The end row of each chunk within a shard, ascending, the last = rows_per_shard (later
+  // entries unused); SetChunkEnds (gemm_wait.h) fills them.
   int chunk_ends[kAgGemmMaxChunks] = {0, 0, 0, 0};
   int tp;
   int rank;                // this device: its shard's tiles are computed first

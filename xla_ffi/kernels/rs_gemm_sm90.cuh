@@ -27,8 +27,7 @@ typename Config<Element, LayoutB, EpiTile>::Gemm::Arguments MakeArguments(
   args.epilogue.ptr_C = static_cast<const Element*>(p.c);
   args.epilogue.thread.beta = 1.0f;  // D = A·B + C
   auto& s = args.scheduler;  // CUTLASS's tile order; every tile waits on the same flag
-  if (p.wait.chunk_rows < p.wait.rows_per_shard ||
-      (p.wait.chunk_ends[0] > 0 && p.wait.chunk_ends[0] < p.wait.rows_per_shard)) {
+  if (p.wait.chunk_ends[0] < p.wait.rows_per_shard) {
     // The peer's partial lands in row chunks, in order: sweep the rows in that order too.
     using Options = typename C::Kernel::TileScheduler::RasterOrderOptions;
     s.raster_order = Options::AlongN;
