@@ -56,6 +56,7 @@ def test_benchmark_shapes_match_float32_reference(M, K, N):
     (8, 4096, 2048, ()),      # decode-sized M, large K
     (7, 96, 40, (2, 3)),      # batch dims: owner rows are strided (batched GEMM)
     (64, 128, 256, (4,)),
+    (1024, 256, 2048, (2,)),  # batched, partial over the epilogue's no-stall size: the pass
 ])
 def test_odd_shapes_and_batch_dims(dtype, rows_per_rank, K, N, batch):
   mesh = gpu_mesh()

@@ -19,7 +19,8 @@ TILE_ORDERS = {"cutlass": 0, "all_gather_matmul": 1, "matmul_reduce_scatter": 2}
 
 # The fused AllGather+GEMM kernel's tile configs (xla_ffi/kernels/ag_gemm_sm90.h, AgGemmConfig).
 AG_GEMM_CONFIGS = ("coop_128x256_cluster2x1", "coop_128x256_cluster1x2",
-                   "coop_256x128_cluster1x2", "pingpong_128x128_cluster1x2")
+                   "coop_256x128_cluster1x2", "pingpong_128x128_cluster1x2",
+                   "coop_128x160_cluster2x1")
 
 
 def config_index(op: str, config: str | None) -> int:

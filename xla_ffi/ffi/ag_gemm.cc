@@ -260,7 +260,9 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   for (int p = 0; p < tp; ++p) wait.flags[p] = res->ready_flags + flag_index + g.peers[p];
   wait.flag_base = base;
   wait.rows_per_shard = static_cast<int>(s.m);
-  wait.chunk_rows = static_cast<int>(chunk_rows);
+  std::array<size_t, kMaxChunks> chunk_ends{};
+  for (size_t c = 0; c < num_chunks; ++c) chunk_ends[c] = std::min((c + 1) * chunk_rows, s.m);
+  SetChunkEnds(&wait, chunk_ends, static_cast<int>(num_chunks));
   wait.tp = static_cast<int>(tp);
   void* gemm_workspace = nullptr;
   if (const size_t bytes = AgGemmSm90WorkspaceBytes(s.dtype, problem); bytes > 0) {

@@ -82,7 +82,7 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
   fused.config = config >= 0 ? static_cast<AgGemmConfig>(config) : ChooseAgGemmConfig(problem);
   fused.wait.tp = 1;
   fused.wait.rows_per_shard = static_cast<int>(m);
-  fused.wait.chunk_rows = static_cast<int>(m);
+  fused.wait.chunk_ends[0] = static_cast<int>(m);  // one chunk (no waits anyway)
   if (tile_order == kTileOrderPerOwner) {  // one owner's rows of every batch entry
     problem.m = static_cast<int>(rows / owners);
     problem.batch = static_cast<int>(m / rows);

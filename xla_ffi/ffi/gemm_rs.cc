@@ -40,6 +40,7 @@
 #include "xla_ffi/ffi/errors.h"
 #include "xla_ffi/ffi/gemm_wait.h"
 #include "xla_ffi/ffi/group.h"
+#include "xla_ffi/ffi/push_plan.h"
 #include "xla_ffi/kernels/gemm_sm90.h"
 #include "xla_ffi/kernels/reduce_kernels.h"
 #include "xla_ffi/kernels/rs_gemm_sm90.h"
@@ -148,6 +149,10 @@ PushMode Push() {
   return mode;
 }
 
+// Whether the peer's partial can go in row chunks: the split push, and unbatched x (a batched
+// partial is one [b, m, N] slot whose row chunks are not contiguous; it goes whole).
+bool PushInChunks(size_t batch) { return Push() == PushMode::kSplit && batch == 1; }
+
 // Whether the own-rows GEMM reduces in its epilogue (tp = 2) rather than in a separate pass.
 // The epilogue saves the pass (it reads both partials and writes the output: ~partial/0.8 TB/s),
 // but its first wave of tiles waits for the whole peer partial, pushed over NVLink (~0.38 TB/s)
@@ -158,7 +163,7 @@ PushMode Push() {
 // 16 cases but one within 0.5%. JAXFLUX_GEMM_RS_REDUCE=pass|epilogue overrides (measurement).
 constexpr size_t kEpilogueBytesPerK = 6144;
 
-bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k) {
+bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k, size_t batch) {
   static const int forced = [] {  // 0: choose, 1: pass, 2: epilogue
     const char* env = std::getenv("JAXFLUX_GEMM_RS_REDUCE");
     if (env == nullptr) return 0;
@@ -173,22 +178,42 @@ bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k) {
       return tp == 2;
     default:
       // Pushed in chunks, the partial's first chunk is there soon after the owner's GEMM
-      // starts.
-      return tp == 2 && (Push() == PushMode::kSplit || partial_bytes <= kEpilogueBytesPerK * k);
+      // starts; pushed whole, it must be within the size the epilogue waits for without
+      // stalling.
+      return tp == 2 && (PushInChunks(batch) || partial_bytes <= kEpilogueBytesPerK * k);
   }
 }
 
-// Rows per pushed chunk of the peer's partial (split push with the epilogue reduction,
-// unbatched x): kMaxChunks chunks cut at 128-row tiles (a chunk costs only a copy and a flag);
-// s.m (one chunk) when the partial is within the epilogue's measured no-stall size
+// Where the split push cuts the peer's partial (JAXFLUX_GEMM_RS_CHUNKS; an experiment):
+// - even (default): kMaxChunks chunks of equal rows, cut at 128-row tiles.
+// - waves: each chunk as long as it can be while still landing before the wave of the owner's
+//   GEMM that first needs its first row (PlanWaveChunks), so the first chunk is about one
+//   wave's rows. The session 7 timeline (benchmarks/README.md) suggests that even chunks make
+//   the first waves of llama70b-out at M >= 4096 wait ~10-18 us in total (estimated from the
+//   chunk times, not measured per tile).
+enum class ChunkMode { kEven, kWaves };
+static_assert(kAgGemmMaxChunks == kMaxChunks, "the kernel's chunk_ends hold one push's chunks");
+static_assert(kPushMaxChunks == kMaxChunks, "a push plan's chunks are flagged e*kMaxChunks + c + 1");
+
+ChunkMode Chunks() {
+  static const ChunkMode mode = [] {
+    const char* env = std::getenv("JAXFLUX_GEMM_RS_CHUNKS");
+    return env != nullptr && std::string(env) == "waves" ? ChunkMode::kWaves : ChunkMode::kEven;
+  }();
+  return mode;
+}
+
+// The chunks of the split push (with the epilogue reduction, unbatched x). Even chunks: one
+// chunk (s.m rows) when the partial is within the epilogue's measured no-stall size
 // (kEpilogueBytesPerK bytes per K), where waiting for all of it costs nothing.
-size_t PushChunkRows(const Shapes& s, bool epilogue_reduce) {
-  if (Push() != PushMode::kSplit || !epilogue_reduce || s.batch != 1) return s.m;
-  const size_t bytes = s.m * s.n * s.elem;
-  if (bytes <= kEpilogueBytesPerK * s.k) return s.m;
-  size_t rows = (s.m + kMaxChunks - 1) / kMaxChunks;
-  rows = (rows + 127) / 128 * 128;
-  return std::min(rows, s.m);
+PushChunks PlanPush(const Shapes& s, bool epilogue_reduce, int sm_count) {
+  PushChunks plan;
+  plan.ends[0] = s.m;
+  if (!PushInChunks(s.batch) || !epilogue_reduce) return plan;
+  // The wave model decides for itself whether one chunk lands on time (its plan has one chunk).
+  if (Chunks() == ChunkMode::kWaves) return PlanWaveChunks(s.m, s.n, s.k, s.elem, sm_count);
+  if (s.m * s.n * s.elem <= kEpilogueBytesPerK * s.k) return plan;
+  return PlanEvenChunks(s.m);
 }
 
 ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator scratch,
@@ -261,8 +286,8 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   problem.batch = static_cast<int>(s.batch);
   problem.batch_stride_a = static_cast<int64_t>(s.rows * s.k);
   problem.batch_stride_d = static_cast<int64_t>(s.m * s.n);
-  const bool epilogue_reduce = EpilogueReduce(tp, reduce_mode, partial_bytes, s.k);
-  const size_t chunk_rows = PushChunkRows(s, epilogue_reduce);  // s.m: one chunk
+  const bool epilogue_reduce = EpilogueReduce(tp, reduce_mode, partial_bytes, s.k, s.batch);
+  const PushChunks chunks = PlanPush(s, epilogue_reduce, res->sm_count);  // 1: the whole partial
   const int peer = (rank + 1) % static_cast<int>(tp);  // the only peer when epilogue_reduce
   RsGemmProblem own{};  // the own rows with the reduction in the epilogue (tp = 2)
   if (epilogue_reduce) {
@@ -275,7 +300,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     wait.flags[0] = res->ready_flags + flag_index + g.peers[peer];
     wait.flag_base = flag_value - 1;  // chunk c landed once the flag reaches flag_base + c + 1
     wait.rows_per_shard = static_cast<int>(s.m);
-    wait.chunk_rows = static_cast<int>(chunk_rows);
+    SetChunkEnds(&wait, chunks.ends, chunks.count);
     wait.tp = 1;
     wait.op = static_cast<int32_t>(OpCode::kMatmulReduceScatter);
     wait.source_ranks[0] = peer;
@@ -302,29 +327,6 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
       JAXFLUX_CUDA(cudaGetLastError());
       break;
     }
-    if (p != rank && chunk_rows < s.m) {
-      // One GEMM of the peer's rows, then its partial pushed chunk by chunk, each flagged.
-      problem.a = x_base_of(p);
-      problem.d = stage_base + static_cast<size_t>(p) * slot_bytes;
-      if (const char* failure = GemmSm90(s.dtype, problem, gemm_workspace, stream)) {
-        return Fail(failure);
-      }
-      JAXFLUX_CUDA(cudaGetLastError());
-      JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
-      JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
-      const size_t out_row = s.n * s.elem;
-      const char* stage = static_cast<const char*>(problem.d);
-      for (size_t row0 = 0, c = 0; row0 < s.m; row0 += chunk_rows, ++c) {
-        const size_t rows = std::min(chunk_rows, s.m - row0);
-        JAXFLUX_CUDA(cudaMemcpyAsync(recv(p, rank) + row0 * out_row, stage + row0 * out_row,
-                                     rows * out_row, cudaMemcpyDefault, res->side));
-        if (!skip && !WriteFlag(res->side, group.ranks[p]->ready_flags + flag_index + g.slot,
-                                flag_value + c, &failed)) {
-          return Fail(failed);
-        }
-      }
-      continue;
-    }
     problem.a = x_base_of(p);
     problem.d = p == rank ? recv(rank, rank) : stage_base + static_cast<size_t>(p) * slot_bytes;
     if (const char* failure = GemmSm90(s.dtype, problem, gemm_workspace, stream)) {
@@ -332,13 +334,21 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     }
     JAXFLUX_CUDA(cudaGetLastError());
     if (p == rank) break;
+    // The peer's partial, pushed from the side stream chunk by chunk (one chunk: all of it,
+    // every batch entry), each chunk flagged on the peer as it lands.
     JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
     JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
-    JAXFLUX_CUDA(cudaMemcpyAsync(recv(p, rank), problem.d, partial_bytes, cudaMemcpyDefault,
-                                 res->side));
-    if (!skip && !WriteFlag(res->side, group.ranks[p]->ready_flags + flag_index + g.slot,
-                            flag_value, &failed)) {
-      return Fail(failed);
+    const size_t out_row = s.n * s.elem;
+    const char* stage = static_cast<const char*>(problem.d);
+    for (int c = 0; c < chunks.count; ++c) {
+      const size_t row0 = c == 0 ? 0 : chunks.ends[c - 1];
+      const size_t bytes = chunks.count == 1 ? partial_bytes : (chunks.ends[c] - row0) * out_row;
+      JAXFLUX_CUDA(cudaMemcpyAsync(recv(p, rank) + row0 * out_row, stage + row0 * out_row, bytes,
+                                   cudaMemcpyDefault, res->side));
+      if (!skip && !WriteFlag(res->side, group.ranks[p]->ready_flags + flag_index + g.slot,
+                              flag_value + c, &failed)) {
+        return Fail(failed);
+      }
     }
   }
 

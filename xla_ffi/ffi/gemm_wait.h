@@ -23,4 +23,13 @@ inline AgGemmWait WaitOfThisRank(const GroupInfo& g, int32_t ordinal, uint64_t e
   return wait;
 }
 
+// The wait's chunks within a shard: `count` chunks ending at ends[0..count) (ascending, the
+// last = the shard's rows).
+template <class Ends>
+void SetChunkEnds(AgGemmWait* wait, const Ends& ends, int count) {
+  for (int c = 0; c < kAgGemmMaxChunks; ++c) {
+    wait->chunk_ends[c] = static_cast<int>(ends[c < count ? c : count - 1]);
+  }
+}
+
 }  // namespace jaxflux

@@ -136,9 +136,10 @@ class AgGemmScheduler : public cutlass::gemm::kernel::detail::PersistentTileSche
       const int in_batch = row % (w.tp * m);
       const int source = in_batch / m;
       const int local = in_batch % m;
-      const int chunk = local / w.chunk_rows;
+      int chunk = 0;
+      while (chunk < kAgGemmMaxChunks - 1 && local >= w.chunk_ends[chunk]) ++chunk;
       Wait(w, source, chunk);
-      row += min(m, (chunk + 1) * w.chunk_rows) - local;  // next chunk or shard boundary
+      row += min(m, w.chunk_ends[chunk]) - local;  // next chunk or shard boundary
     }
     if (row0 < end) asm volatile("fence.proxy.async.global;" ::: "memory");
   }

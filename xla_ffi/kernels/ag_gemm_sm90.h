@@ -15,16 +15,20 @@
 namespace jaxflux {
 
 inline constexpr int kAgGemmMaxRanks = 8;
+inline constexpr int kAgGemmMaxChunks = 4;  // = runtime kMaxChunks (checked where both are seen)
 
 // Where A's rows come from and how the kernel learns that they have landed.
 // A = [batch][tp][rows_per_shard][K]: rank p's shard of batch entry b starts at row
-// (b*tp + p)*rows_per_shard. Chunk c of rank p (rows [c*chunk_rows, (c+1)*chunk_rows) of each
-// shard) has landed once *flags[p] >= flag_base + c + 1; chunks land in order.
+// (b*tp + p)*rows_per_shard. Chunk c of rank p (rows [chunk_ends[c-1], chunk_ends[c]) of each
+// shard, chunk_ends[-1] = 0) has landed once *flags[p] >= flag_base + c + 1; chunks land in
+// order.
 struct AgGemmWait {
   const uint64_t* flags[kAgGemmMaxRanks];  // this device's flag for each source rank
   uint64_t flag_base;      // epoch * kMaxChunks
   int rows_per_shard;      // m (rows of one batch entry of one rank's shard)
-  int chunk_rows;          // rows per chunk (>= rows_per_shard when a shard is one chunk)
+  // The end row of each chunk within a shard, ascending, the last = rows_per_shard (later
+  // entries unused); SetChunkEnds (gemm_wait.h) fills them.
+  int chunk_ends[kAgGemmMaxChunks] = {0, 0, 0, 0};
   int tp;
   int rank;                // this device: its shard's tiles are computed first
   uint64_t timeout_ns;     // per wait; a timed-out wait records the error and stops waiting
@@ -49,10 +53,15 @@ enum class AgGemmConfig : int {
   kCoop128x256Cluster1x2 = 1,
   kCoop256x128Cluster1x2 = 2,
   kPingpong128x128Cluster1x2 = 3,
+  // An experiment (not chosen by ChooseAgGemmConfig yet; JAXFLUX_AG_GEMM_CONFIG=4 or config=):
+  // for outputs whose 128x256 tiles leave a partly empty last wave, e.g. Llama-70B QKV at
+  // M=2048 (2048x5120 per device: 320 tiles of 128x256 = 2.4 waves on 132 SMs, 512 of 128x160
+  // = 3.9 waves).
+  kCoop128x160Cluster2x1 = 4,
 };
-inline constexpr int kAgGemmNumConfigs = 4;
+inline constexpr int kAgGemmNumConfigs = 5;
 
-// The config for a problem: JAXFLUX_AG_GEMM_CONFIG=0..3 when set (measurement knob), else the
+// The config for a problem: JAXFLUX_AG_GEMM_CONFIG=0..4 when set (measurement knob), else the
 // default (per-shape choice: to be measured, issue 4).
 AgGemmConfig ChooseAgGemmConfig(const GemmProblem& problem);
 

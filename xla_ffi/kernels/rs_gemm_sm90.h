@@ -17,8 +17,8 @@ namespace jaxflux {
 struct RsGemmProblem {
   GemmProblem gemm;  // a = this device's rows of x, b = w, d = the output z (batched: L mode)
   const void* c;     // the peer's partial of the same rows, laid out like d
-  // One source (tp = 1; source_ranks[0] = the peer), one chunk (rows_per_shard = chunk_rows =
-  // rows per batch entry), epilogue_load_only = 1; op = kMatmulReduceScatter.
+  // One source (tp = 1; source_ranks[0] = the peer), rows_per_shard = rows per batch entry,
+  // the push's chunks in chunk_ends, epilogue_load_only = 1; op = kMatmulReduceScatter.
   AgGemmWait wait;
 };
 
