@@ -2,7 +2,7 @@
 states how far the first run's curve is from each other run's.
 
     python benchmarks/plot_losses.py RUN.json [RUN.json ...] [--png benchmarks/losses.png]
-                                     [--smooth 20] [--title TEXT]
+                                     [--smooth 20] [--title TEXT] [--labels A,B,...]
 
 Per pair it states: the first step whose losses differ by more than 1e-3 (relative), the
 largest relative difference step by step, the same for the curves smoothed by a moving average
@@ -52,9 +52,15 @@ def main(argv=None) -> None:
   p.add_argument("--png", default="benchmarks/losses.png")
   p.add_argument("--smooth", type=int, default=20, help="moving-average window, in steps")
   p.add_argument("--title", default=None)
+  p.add_argument("--labels", default=None,
+                 help="comma-separated names for the runs, in order (default: each run's mode); "
+                      "tells apart runs of one mode, e.g. two builds' xla runs")
   args = p.parse_args(argv)
   if args.smooth < 1:
     p.error("--smooth must be >= 1")
+  labels = args.labels.split(",") if args.labels else None
+  if labels is not None and len(labels) != len(args.runs):
+    p.error(f"--labels names {len(labels)} runs but {len(args.runs)} were given")
   try:
     import matplotlib
     matplotlib.use("Agg")
@@ -63,6 +69,8 @@ def main(argv=None) -> None:
     raise SystemExit(f"plot_losses.py needs matplotlib ({e}); pip install matplotlib") from e
 
   curves = [load(r) for r in args.runs]
+  if labels is not None:
+    curves = [(label, losses) for label, (_, losses) in zip(labels, curves)]
   fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True,
                                     gridspec_kw={"height_ratios": [3, 1]})
   base_label, base = curves[0]

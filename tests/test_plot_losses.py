@@ -42,3 +42,18 @@ def test_first_divergence_and_moving_average():
   assert m.first_divergence(np.array([1.0, 2.0]), np.array([1.0, 2.0001])) is None
   assert m.moving_average(np.array([1.0, 3.0, 5.0, 7.0]), 2).tolist() == [2.0, 4.0, 6.0]
   assert m.moving_average(np.array([1.0, 3.0]), 5).tolist() == [1.0, 3.0]  # too short: as is
+
+
+def test_labels_name_runs_of_one_mode_apart(tmp_path, capsys):
+  pytest.importorskip("matplotlib")
+  runs = []
+  for name, losses in (("a", [4.0, 3.0]), ("b", [4.0, 3.3])):
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"mode": "xla", "losses": losses}))
+    runs.append(str(path))
+  m = _module()
+  m.main(runs + ["--png", str(tmp_path / "l.png"), "--smooth", "1", "--labels", "xla new,xla old"])
+  assert "xla new vs xla old over 2 steps: first step differing by > 1e-3 relative: 1" in \
+      capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    m.main(runs + ["--png", str(tmp_path / "l.png"), "--labels", "only one"])
