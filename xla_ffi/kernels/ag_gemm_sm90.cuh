@@ -15,7 +15,6 @@ using Tiles0 = gemm_sm90::TileConfig<128, 256, 2, 1, false>;  // kCoop128x256Clu
 using Tiles1 = gemm_sm90::TileConfig<128, 256, 1, 2, false>;  // kCoop128x256Cluster1x2
 using Tiles2 = gemm_sm90::TileConfig<256, 128, 1, 2, false>;  // kCoop256x128Cluster1x2
 using Tiles3 = gemm_sm90::TileConfig<128, 128, 1, 2, true>;   // kPingpong128x128Cluster1x2
-using Tiles4 = gemm_sm90::TileConfig<128, 160, 2, 1, false>;  // kCoop128x160Cluster2x1
 
 // The GEMM of gemm_sm90.cuh with the AllGather tile scheduler and a mainloop that reads this
 // rank's own rows from its shard rather than from the gathered buffer (LocalShardMainloop).

@@ -44,12 +44,9 @@ using KMajorB = cutlass::layout::ColumnMajor;
 // SchedulerTag: void = CUTLASS's static persistent scheduler (GEMM-only op); the fused ops plug
 // in their own (ag_gemm_scheduler_sm90.cuh). ElementC: void = no source operand (D = A·B);
 // Element = D = A·B + C (the fused GEMM+ReduceScatter's own rows, rs_gemm_sm90.cuh).
-// LayoutB: NMajorB or KMajorB (GemmProblem::b_kmajor). EpilogueTile: the sub-tile the epilogue
-// works in (CUTLASS's automatic choice, 128x32 for the cooperative 128x256 tile, or a
-// cute::Shape), which with a C also sets how much of C is prefetched into shared memory.
+// LayoutB: NMajorB or KMajorB (GemmProblem::b_kmajor).
 template <class Element_, class SchedulerTag = void, class Tiles = DefaultTiles,
-          class ElementC = void, class LayoutB = NMajorB,
-          class EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto>
+          class ElementC = void, class LayoutB = NMajorB>
 struct Config {
   using Element = Element_;
   using Layout = cutlass::layout::RowMajor;  // A [M,K], C and D [M,N]
@@ -60,7 +57,7 @@ struct Config {
   // D = alpha·A·B + beta·C, fp32 math; with ElementC = void no C is read.
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      EpilogueTile, float, float, ElementC, Layout, kAlign,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, Layout, kAlign,
       Element, Layout, kAlign, typename Tiles::EpilogueSchedule>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
