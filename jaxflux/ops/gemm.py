@@ -32,6 +32,19 @@ def config_index(op: str, config: str | None) -> int:
   return AG_GEMM_CONFIGS.index(config)
 
 
+def _check_operands(op: str, x, w) -> tuple[int, int]:
+  """The kernels' operand rules at trace time: x [..., M, K] and w [K, N] of one dtype, bf16 or
+  fp16, K and N multiples of 8. Returns (K, N)."""
+  _common.check_operands(op, x, w)
+  if x.dtype not in _common.FUSED_DTYPES or w.dtype != x.dtype:
+    raise TypeError(f"{op}: x and w must share a dtype, bfloat16 or float16; got x.dtype="
+                    f"{x.dtype}, w.dtype={w.dtype}.")
+  k, n = w.shape
+  if k % 8 or n % 8:
+    raise ValueError(f"{op}: K={k} and N={n} must be multiples of 8 (16-byte rows for TMA).")
+  return k, n
+
+
 def gemm(x, w, *, tile_order: str = "cutlass", config: str | None = None, owners: int = 1):
   """x [..., M, K] @ w [K, N] -> [..., M, N] in x's dtype (bf16/fp16, fp32 accumulation).
 
@@ -44,14 +57,7 @@ def gemm(x, w, *, tile_order: str = "cutlass", config: str | None = None, owners
   owners: with tile_order="matmul_reduce_scatter", how many row blocks; must divide M.
   """
   op = "gemm"
-  _common.check_operands(op, x, w)
-  for name, a in (("x", x), ("w", w)):
-    if a.dtype not in _common.FUSED_DTYPES or a.dtype != x.dtype:
-      raise TypeError(f"{op}: x and w must share a dtype, bfloat16 or float16; got x.dtype="
-                      f"{x.dtype}, w.dtype={w.dtype}.")
-  k, n = w.shape
-  if k % 8 or n % 8:
-    raise ValueError(f"{op}: K={k} and N={n} must be multiples of 8 (16-byte rows for TMA).")
+  _, n = _check_operands(op, x, w)
   if tile_order not in TILE_ORDERS:
     raise ValueError(f"{op}: tile_order={tile_order!r} is not one of {tuple(TILE_ORDERS)}.")
   config_id = config_index(op, config)
@@ -78,13 +84,7 @@ def gemm_own_rows(x, w, c=None, *, chunked: bool = False):
   chunked: sweep the tiles along N, as the fused op does when the partial lands in row chunks.
   """
   op = "gemm_own_rows"
-  _common.check_operands(op, x, w)
-  if x.dtype not in _common.FUSED_DTYPES or w.dtype != x.dtype:
-    raise TypeError(f"{op}: x and w must share a dtype, bfloat16 or float16; got x.dtype="
-                    f"{x.dtype}, w.dtype={w.dtype}.")
-  k, n = w.shape
-  if k % 8 or n % 8:
-    raise ValueError(f"{op}: K={k} and N={n} must be multiples of 8 (16-byte rows for TMA).")
+  _, n = _check_operands(op, x, w)
   out_shape = x.shape[:-1] + (n,)
   if c is not None and (tuple(c.shape) != out_shape or c.dtype != x.dtype):
     raise ValueError(f"{op}: c must have the output's shape {out_shape} and dtype {x.dtype}; "
