@@ -30,6 +30,10 @@
 #             then the timeline of llama70b-out M=4096, 8192 and gpt3-out M=8192 in the modes
 #             gemm_only, own_rows[_c][_chunked] and epilogue: what reading C costs the own-rows
 #             GEMM with no communication, against its time inside the fused op (~4 min)
+#   power     SM clock and power draw (nvidia-smi, every 20 ms) while the GEMM alone, the GEMM-only
+#             mode and the fused op each run 3 s back to back, on llama70b-fc1 (ag_gemm) and
+#             llama70b-out, llama70b-fc2 (gemm_rs) at M=8192: is the fused op's time over its GEMM
+#             the clocks dropping (power) or the GEMM slower at the same clock? (~2 min)
 #   tables    the full tables of issues 4 and 5: every shape of one op ($TABLE_OP, default
 #             ag_gemm) at the M list $TABLE_M (default 1024,2048,4096,8192,16384) with every
 #             variant the issues compare (gemm, gemm_only, comm, xla, xla_windowed, pallas for
@@ -42,7 +46,7 @@
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
-STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect ownrows tables timelines}
+STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect ownrows power tables timelines}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLUX_CUDA=ON
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
@@ -208,6 +212,15 @@ if stage ownrows; then
     grep "^summary" "$OUTDIR/own_rows_timeline_M${m}_N${n}.log"
   done
   rm -rf "$OUTDIR/trace_tmp"
+fi
+
+if stage power; then
+  for spec in "ag_gemm llama70b-fc1" "gemm_rs llama70b-out" "gemm_rs llama70b-fc2"; do
+    read -r op shape <<< "$spec"
+    timeout 120 python3 benchmarks/power_probe.py --op "$op" --shape "$shape" --M 8192 \
+      --variants gemm,gemm_only,jaxflux --seconds 3 --out "$OUTDIR/power_${op}_${shape}.json" \
+      2>&1 | grep -v "^[WEI][0-9 ]" | tail -6 || status=1
+  done
 fi
 
 if stage tables; then
