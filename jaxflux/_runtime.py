@@ -55,8 +55,16 @@ def local_gpus() -> tuple:
 
 
 def has_cuda() -> bool:
-  """True when fused kernels can run here: a CUDA build of jaxflux and at least one CUDA GPU."""
+  """True for a CUDA build of jaxflux with at least one CUDA GPU visible. (Whether the fused
+  kernels can run on these GPUs, Hopper only, is `ops._common.platform_reason`'s question.)"""
   return cuda_built() and len(_gpu_devices()) > 0
+
+
+def gpu_compute_capabilities() -> set[str]:
+  """The compute capabilities ("9.0", ...) of this process's GPUs, as JAX reports them (GPUs
+  that don't report one are left out)."""
+  return {str(cc) for d in _gpu_devices()
+          if (cc := getattr(d, "compute_capability", None)) is not None}
 
 
 def configure(*, timeout_s: float | None = None, workspace_bytes: int | None = None,

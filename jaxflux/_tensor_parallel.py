@@ -212,13 +212,21 @@ def tensor_parallel_matmul(
   return jnp.moveaxis(y, -2, token_axis)
 
 
-def apply_partitioning(value: jax.Array, names: tuple) -> jax.Array:
-  """Lays a param out per its partitioning `names` over the ambient mesh, if any.
+def apply_partitioning(value: jax.Array, names: tuple, mesh=None) -> jax.Array:
+  """Lays a param out per its partitioning `names` over the ambient mesh, if any, else over
+  `mesh` (a layer's own mesh field), if given.
 
   Reshards over Explicit axes (where `with_sharding_constraint` refuses them, or
   only asserts) and constrains over Auto axes.
   """
-  mesh = jax.sharding.get_abstract_mesh()
+  ambient = jax.sharding.get_abstract_mesh()
+  if mesh is not None and ambient.empty:
+    # Only the layer's mesh, no jax.set_mesh: JAX takes Explicit shardings under jit only in a
+    # mesh context, so constrain over an all-Auto view of the same devices.
+    view = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                             axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    return jax.lax.with_sharding_constraint(value, NamedSharding(view, P(*names)))
+  mesh = ambient
   if mesh.empty:
     return value
   types = _axis_types(mesh)

@@ -22,14 +22,16 @@ class _Partitioned(nn.Partitioned):
   def unbox(self, apply_constraint=True):
     if not apply_constraint:
       return self.value
-    return tpm.apply_partitioning(self.value, self.names)
+    return tpm.apply_partitioning(self.value, self.names, self.mesh)
 
 
-def _with_partitioning(init, names: tuple):
-  """`nn.with_partitioning` with `_Partitioned`; the new value is laid out already."""
+def _with_partitioning(init, names: tuple, mesh):
+  """`nn.with_partitioning` with `_Partitioned`; the new value is laid out already, over
+  `mesh` (the layer's field) or, when it is None, the ambient mesh."""
 
   def wrapped(*args, **kwargs):
-    return _Partitioned(tpm.apply_partitioning(init(*args, **kwargs), names), names)
+    value = tpm.apply_partitioning(init(*args, **kwargs), names, mesh)
+    return _Partitioned(value, names, mesh)
 
   return wrapped
 
@@ -39,7 +41,9 @@ class Dense(nn.Dense):
 
   A drop-in for ``flax.linen.Dense`` (it subclasses it): the same fields, order,
   defaults and params (``kernel [in, features]``, ``bias [features]``), so
-  checkpoints load either way. With ``tensor_parallel`` set, the matmul runs
+  checkpoints load either way once unboxed (tensor-parallel params come boxed in
+  ``nn.Partitioned``, as with ``nn.with_partitioning``: save ``nn.unbox(variables)``).
+  With ``tensor_parallel`` set, the matmul runs
   sharded over one mesh axis, with its collective fused into the matmul:
 
   - ``"column"``: tokens sharded over the axis in, features sharded out
@@ -141,8 +145,8 @@ class Dense(nn.Dense):
         inputs.shape[-1], self.features,
       )
       kernel_names, bias_names = tpm.param_partitioning(mode, self.axis_name)
-      kernel_init = _with_partitioning(kernel_init, kernel_names)
-      bias_init = _with_partitioning(bias_init, bias_names)
+      kernel_init = _with_partitioning(kernel_init, kernel_names, self.mesh)
+      bias_init = _with_partitioning(bias_init, bias_names, self.mesh)
 
     kernel = self.param(
       "kernel", kernel_init, (inputs.shape[-1], self.features), self.param_dtype

@@ -197,3 +197,54 @@ def test_backward_hands_the_weights_over_untransposed(fake_gpu):
   walk(jaxpr.jaxpr)
   assert calls == [("jaxflux_all_gather_matmul", 0), ("jaxflux_matmul_reduce_scatter", 0),
                    ("jaxflux_all_gather_matmul", 1), ("jaxflux_matmul_reduce_scatter", 1)]
+
+
+class _FakeGpu:
+  def __init__(self, compute_capability):
+    self.compute_capability = compute_capability
+
+
+@pytest.fixture
+def fake_hopper(monkeypatch):
+  """A CUDA build with two Hopper GPUs, faked below the platform check (which then runs)."""
+  monkeypatch.setattr(_runtime, "cuda_built", lambda: True)
+  monkeypatch.setattr(_runtime, "_gpu_devices", lambda: (_FakeGpu("9.0"), _FakeGpu("9.0")))
+  monkeypatch.setattr(_runtime, "multi_process", lambda: False)
+  monkeypatch.setattr(_runtime, "ensure_workspace", lambda nbytes: 0)
+  monkeypatch.setattr(_runtime, "target_name", lambda op: f"jaxflux_{op}")
+
+
+def test_fused_kernels_need_hopper_gpus(fake_hopper, monkeypatch):
+  assert _common.platform_reason() is None
+  monkeypatch.setattr(_runtime, "_gpu_devices", lambda: (_FakeGpu("8.0"), _FakeGpu("10.0")))
+  reason = _common.platform_reason()
+  assert "Hopper" in reason and "8.0" in reason and "10.0" in reason
+  x = jnp.ones((8, 64), jnp.bfloat16)
+  w = jnp.ones((64, 32), jnp.bfloat16)
+  with pytest.raises(jaxflux.FusedKernelUnavailableError, match="Hopper"):
+    jax.eval_shape(_shard_mapped(lambda x, w: jaxflux.all_gather_matmul(x, w, "tp",
+                                                                        impl="fused")), x, w)
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+def test_another_auto_axis_makes_auto_use_xla_and_fused_raise(fake_hopper, op):
+  """Inside a shard_map manual over tp only, a dp axis GSPMD partitions (Auto, size > 1) hides
+  the device groups from the fused op: auto takes XLA, fused names the axis; manual over both
+  axes, auto takes the fused kernel."""
+  mesh = make_mesh((4, 2), ("dp", "tp"))
+  fn = getattr(jaxflux, op)
+  if op == "all_gather_matmul":
+    specs, x = (P(None, "tp"), P(None, "tp")), jnp.ones((2, 4096, 64), jnp.bfloat16)
+    w, out = jnp.ones((64, 128), jnp.bfloat16), P(None, None, "tp")
+  else:
+    specs, x = (P(None, None, "tp"), P("tp", None)), jnp.ones((2, 4096, 64), jnp.bfloat16)
+    w, out = jnp.ones((64, 128), jnp.bfloat16), P(None, "tp", None)
+
+  def mapped(impl, axis_names):
+    return jax.shard_map(lambda x, w: fn(x, w, "tp", impl=impl), mesh=mesh, in_specs=specs,
+                         out_specs=out, axis_names=axis_names)
+
+  assert f"jaxflux_{op}" not in _jaxpr_text(mapped("auto", {"tp"}), x, w)
+  with pytest.raises(jaxflux.FusedKernelUnavailableError, match=r"mesh axis 'dp' \(size 4\)"):
+    jax.eval_shape(mapped("fused", {"tp"}), x, w)
+  assert f"jaxflux_{op}" in _jaxpr_text(mapped("auto", {"dp", "tp"}), x, w)

@@ -161,6 +161,12 @@ def test_explicit_mesh_field_equals_ambient_mesh(axis_type):
   variables = jax.jit(jaxflux.Dense(8, tensor_parallel="row", mesh=mesh).init)(
     jax.random.key(1), x)
   assert nn.get_partition_spec(variables)["params"]["kernel"] == P("tp", None)
+  # ... and lays the params out over it (not only their metadata).
+  for mode, spec in (("row", P("tp", None)), ("column", P(None, "tp"))):
+    variables = jax.jit(jaxflux.Dense(8, tensor_parallel=mode, mesh=mesh).init)(
+      jax.random.key(1), x)
+    kernel = variables["params"]["kernel"].value
+    assert kernel.sharding.is_equivalent_to(NamedSharding(mesh, spec), kernel.ndim), mode
 
 
 @pytest.mark.parametrize("dp_type, tp_type", [

@@ -192,3 +192,22 @@ def test_second_order_gradients_of_a_column_row_mlp(tp):
   want = outer(ref)(x, w1, w2)
   for g, r in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+def test_float64_gradients_keep_float64_precision(op):
+  """The reference path in float64 (x64 on): dx and dw both to float64 rounding (dw once
+  accumulated in float32: ~1e-8)."""
+  mesh = make_mesh((4,), ("tp",))
+  with jax.enable_x64(True):
+    x, w, r = (rand(i, s, np.float64) for i, s in enumerate([(32, 16), (16, 8), (32, 8)]))
+    if op == "all_gather_matmul":
+      f, r = ag_fn(mesh, 0), rand(3, (32, 8 * 4), np.float64)
+      w = rand(4, (16, 8 * 4), np.float64)
+    else:
+      f = rs_fn(mesh, 0)
+    dx, dw = jax.grad(lambda x, w: jnp.sum(f(x, w) * r), argnums=(0, 1))(x, w)
+    assert dx.dtype == dw.dtype == jnp.float64
+    want_dx, want_dw = ref_grads(x, w, r)
+    np.testing.assert_allclose(f64(dx), want_dx, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(f64(dw), want_dw, rtol=1e-12, atol=1e-12)

@@ -115,8 +115,34 @@ def platform_reason(axis_name: str | None = None) -> str | None:
             "JAXFLUX_CUDA=OFF); reinstall on a machine with the CUDA toolkit.")
   if not _runtime.has_cuda():
     return "no CUDA GPU is visible to JAX (jax.local_devices(backend='gpu') is empty)."
+  others = sorted(_runtime.gpu_compute_capabilities() - {HOPPER_COMPUTE_CAPABILITY})
+  if others:
+    return (f"the fused kernels are built for Hopper GPUs (compute capability "
+            f"{HOPPER_COMPUTE_CAPABILITY}, sm_90a); this process's GPUs are "
+            f"{', '.join(others)}.")
+  if axis_name is not None and (reason := non_manual_axis_reason(axis_name)) is not None:
+    return reason
   if _runtime.multi_process():
     return multi_process_reason(len(_runtime.local_gpus()), _runtime.host_slots, axis_name)
+  return None
+
+
+HOPPER_COMPUTE_CAPABILITY = "9.0"  # the kernels' one target (cmake/cuda.cmake: sm_90a)
+
+
+def non_manual_axis_reason(axis_name: str) -> str | None:
+  """Why a communicating fused op over `axis_name` can't run in the current shard_map: another
+  mesh axis of size > 1 is not manual there (an Auto axis GSPMD partitions), so the op can't
+  tell its device groups apart. None when every other axis is manual, or of size 1."""
+  mesh = jax.sharding.get_abstract_mesh()
+  names = tuple(getattr(mesh, "axis_names", ()) or ())
+  manual = set(getattr(mesh, "manual_axes", names) or ())
+  for name, size in zip(names, getattr(mesh, "axis_sizes", ()) or ()):
+    if name != axis_name and name not in manual and size > 1:
+      return (f"mesh axis {name!r} (size {size}) is not manual here, so the fused op cannot "
+              "tell its device groups apart. Run it in a shard_map over every mesh axis of "
+              "size > 1 (for jaxflux's layers: make the other axes Explicit), or use "
+              "impl='xla'.")
   return None
 
 
@@ -211,8 +237,9 @@ def weight_for_checks(w, transpose_w: bool):
 def weight_grad(lhs, dout, *, precision, dtype):
   """Sum over all leading axes and rows of lhsᵀ·dout: lhs [..., r, K], dout [..., r, N] → [K, N]."""
   lead = tuple(range(lhs.ndim - 1))
+  # Accumulated in float32 at least (float64 stays float64: the reference path's precision).
   dw = lax.dot_general(lhs, dout, ((lead, lead), ((), ())), precision=precision,
-                       preferred_element_type=jnp.float32)
+                       preferred_element_type=jnp.promote_types(dtype, jnp.float32))
   return dw.astype(dtype)
 
 
