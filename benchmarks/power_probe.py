@@ -20,6 +20,8 @@ import subprocess
 import time
 
 FIELDS = ("timestamp", "index", "clocks.sm", "power.draw", "clocks_event_reasons.active")
+# The reasons field's name before NVIDIA's drivers renamed it (same bit mask).
+OLD_REASONS_FIELD = "clocks_throttle_reasons.active"
 SKIP_S = 0.3  # the start of a phase: clocks still moving from the previous one
 
 
@@ -102,7 +104,12 @@ def main(argv=None) -> None:
   p.add_argument("--seconds", type=float, default=3.0)
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
-  smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(FIELDS)}",
+  fields = list(FIELDS)
+  probe = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True)
+  if probe.returncode != 0:  # an older driver: the reasons field's old name
+    fields[-1] = OLD_REASONS_FIELD
+  smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(fields)}",
                           "--format=csv,noheader,nounits", "-lms", "20"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
