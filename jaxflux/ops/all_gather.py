@@ -21,26 +21,19 @@ IMPLS = ("fused", "xla")
 
 
 def _other_manual_axes(axis_name: str) -> list[tuple[str, int]]:
-  """(name, size) of the manual mesh axes other than `axis_name`, in mesh order."""
+  """(name, size) of the manual mesh axes other than `axis_name`, in mesh order. The ops'
+  platform check (`_common.non_manual_axis_reason`) has ruled out other non-manual axes of
+  size > 1 before a fused call gets here; this raises if one still does."""
+  reason = _common.non_manual_axis_reason(axis_name)
+  if reason is not None:
+    raise NotImplementedError(f"all_gather(impl='fused'): {reason}")
   mesh = jax.sharding.get_abstract_mesh()
   names = tuple(getattr(mesh, "axis_names", ()) or ())
   if not names:
     return []
   manual = set(getattr(mesh, "manual_axes", names) or ())
-  sizes = dict(zip(names, mesh.axis_sizes))
-  others = []
-  for name in names:
-    if name == axis_name:
-      continue
-    if name not in manual:
-      if sizes[name] > 1:
-        raise NotImplementedError(
-            f"all_gather(impl='fused'): mesh axis {name!r} (size {sizes[name]}) is not manual "
-            "here, so the fused op cannot tell its device groups apart. Run it in a shard_map "
-            "over all mesh axes (axis_names=set(mesh.axis_names)), or use impl='xla'.")
-      continue
-    others.append((name, sizes[name]))
-  return others
+  return [(name, size) for name, size in zip(names, mesh.axis_sizes)
+          if name != axis_name and name in manual]
 
 
 def rank_info(axis_name: str) -> tuple[jax.Array, int]:
