@@ -34,6 +34,9 @@
 #             mode and the fused op each run 3 s back to back, on llama70b-fc1 (ag_gemm) and
 #             llama70b-out, llama70b-fc2 (gemm_rs) at M=8192: is the fused op's time over its GEMM
 #             the clocks dropping (power) or the GEMM slower at the same clock? (~2 min)
+#   swizzle   the tile-order swizzle of GEMM+RS's own-rows kernel and of CUTLASS's scheduler:
+#             own-rows kernel times per swizzle (timeline), then the fused op per rs:plain
+#             pair in $SWIZZLE_PAIRS (default "1:1 4:1 4:4") against cuBLAS (~5 min)
 #   tables    the full tables of issues 4 and 5: every shape of one op ($TABLE_OP, default
 #             ag_gemm) at the M list $TABLE_M (default 1024,2048,4096,8192,16384) with every
 #             variant the issues compare (gemm, gemm_only, comm, xla, xla_windowed, pallas for
@@ -46,7 +49,7 @@
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
-STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect ownrows power tables timelines}
+STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect ownrows power swizzle tables timelines}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLUX_CUDA=ON
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
@@ -218,8 +221,31 @@ if stage power; then
   for spec in "ag_gemm llama70b-fc1" "gemm_rs llama70b-out" "gemm_rs llama70b-fc2"; do
     read -r op shape <<< "$spec"
     timeout 120 python3 benchmarks/power_probe.py --op "$op" --shape "$shape" --M 8192 \
-      --variants gemm,gemm_only,jaxflux --seconds 3 --out "$OUTDIR/power_${op}_${shape}.json" \
+      --variants gemm,gemm_only,jaxflux --seconds 2 --out "$OUTDIR/power_${op}_${shape}.json" \
       2>&1 | grep -v "^[WEI][0-9 ]" | tail -6 || status=1
+  done
+fi
+
+if stage swizzle; then
+  # The tile-order swizzle (CUTLASS max_swizzle_size) of GEMM+RS's own-rows kernel
+  # (JAXFLUX_GEMM_RS_SWIZZLE) and of CUTLASS's scheduler (JAXFLUX_GEMM_PLAIN_SWIZZLE: the
+  # GEMM-only op, GEMM+RS's peer rows): the own-rows kernel's time per swizzle from the timeline,
+  # then the fused op per rs:plain pair of $SWIZZLE_PAIRS side by side with cuBLAS.
+  for sw in ${RS_SWIZZLES:-1 2 4 8}; do
+    for spec in "4096 8192 8192" "8192 12288 12288"; do
+      read -r m k n <<< "$spec"
+      JAXFLUX_GEMM_RS_SWIZZLE=$sw timeout 90 python3 benchmarks/fused_timeline.py "$m" "$k" "$n" \
+        "$OUTDIR/trace_tmp" --op gemm_rs --modes own_rows_c_chunked,epilogue --calls 4 2>&1 \
+        | grep "^summary" | sed "s/^/rs_swizzle=$sw /" || status=1
+    done
+  done
+  rm -rf "$OUTDIR/trace_tmp"
+  for pair in ${SWIZZLE_PAIRS:-1:1 4:1 4:4}; do
+    JAXFLUX_GEMM_RS_SWIZZLE=${pair%:*} JAXFLUX_GEMM_PLAIN_SWIZZLE=${pair#*:} timeout 200 \
+      python3 -m jaxflux.bench --op gemm_rs --shapes llama70b-out,llama70b-fc2,gpt3-out \
+      --M 4096,8192 --variants gemm,gemm_only,jaxflux --timing device --iters 30 --repeats 3 \
+      --warmup 3 --out "$OUTDIR/gemm_rs_swizzle_${pair/:/_}.json" 2>&1 | grep -A8 "^name" \
+      | sed "s/^/swizzle=$pair /" || status=1
   done
 fi
 

@@ -17,6 +17,7 @@ import datetime
 import json
 import statistics
 import subprocess
+import tempfile
 import time
 
 FIELDS = ("timestamp", "index", "clocks.sm", "power.draw", "clocks_event_reasons.active")
@@ -95,6 +96,23 @@ def run_phases(op: str, shape: str, m: int, variants: list[str], seconds: float)
   return phases, ms
 
 
+def sample_while(command: list[str], work):
+  """Runs the sampler `command` while work() runs; returns (work's result, the sampler's output).
+
+  The output goes to a file, not a pipe: nobody reads a pipe until the end, and once its 64 KiB
+  buffer is full the sampler blocks (session 9: every phase after the first had no samples).
+  """
+  with tempfile.TemporaryFile("w+") as log:
+    sampler = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+      result = work()
+    finally:
+      sampler.terminate()
+      sampler.wait(timeout=10)
+    log.seek(0)
+    return result, log.read()
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--op", choices=("ag_gemm", "gemm_rs"), required=True)
@@ -109,14 +127,11 @@ def main(argv=None) -> None:
                           "--format=csv,noheader,nounits"], capture_output=True, text=True)
   if probe.returncode != 0:  # an older driver: the reasons field's old name
     fields[-1] = OLD_REASONS_FIELD
-  smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(fields)}",
-                          "--format=csv,noheader,nounits", "-lms", "20"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  try:
-    phases, ms = run_phases(args.op, args.shape, args.M, args.variants.split(","), args.seconds)
-  finally:
-    smi.terminate()
-  text = smi.communicate(timeout=10)[0]
+  command = ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits",
+             "-lms", "20"]
+  (phases, ms), text = sample_while(
+      command, lambda: run_phases(args.op, args.shape, args.M, args.variants.split(","),
+                                  args.seconds))
   samples = parse_samples(text)
   if not samples:
     raise SystemExit("nvidia-smi gave no samples:\n" + text[:2000])

@@ -32,3 +32,20 @@ def test_samples_are_split_into_phases_per_gpu():
   assert summary["a"]["1"]["samples"] == 1
   assert summary["b"] == {"0": {"samples": 1, "sm_mhz_median": 1500, "power_w_mean": 710.0,
                                 "reasons": ["0x0000000000000004"]}}
+
+
+def test_sampler_output_past_a_pipe_buffer_is_kept():
+  """The sampler writes far more than a pipe holds (64 KiB) before the work ends; its later
+  lines must still be there (they were lost when the output went to an unread pipe)."""
+  import sys
+  import time
+
+  probe = load_script(SCRIPT, "power_probe")
+  writer = ("import sys, time\n"
+            "for i in range(4000): print('%05d' % i + 'x' * 60)\n"
+            "print('late sample', flush=True)\n"
+            "time.sleep(60)\n")
+  result, text = probe.sample_while([sys.executable, "-c", writer],
+                                    lambda: time.sleep(2.0) or "done")
+  assert result == "done"
+  assert text.count("\n") >= 4000 and "late sample" in text

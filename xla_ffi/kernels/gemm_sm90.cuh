@@ -7,6 +7,7 @@
 // instantiates a few more (ag_gemm_sm90.h, AgGemmConfig) to choose from per shape.
 #pragma once
 
+#include <cstdlib>
 #include <type_traits>
 
 #include "cute/tensor.hpp"
@@ -72,6 +73,21 @@ struct Config {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
+// A tile-order swizzle (CUTLASS max_swizzle_size) from the environment variable `name`
+// (1, 2, 4 or 8; anything else, or unset: `fallback`), read once per process by the caller.
+inline int SwizzleFromEnv(const char* name, int fallback) {
+  const char* env = std::getenv(name);
+  const int s = env ? std::atoi(env) : fallback;
+  return (s == 1 || s == 2 || s == 4 || s == 8) ? s : fallback;
+}
+
+// Swizzle of CUTLASS's own scheduler (the GEMM-only op and GEMM+ReduceScatter's peer rows);
+// JAXFLUX_GEMM_PLAIN_SWIZZLE overrides it for measurements.
+inline int PlainSwizzle() {
+  static const int value = SwizzleFromEnv("JAXFLUX_GEMM_PLAIN_SWIZZLE", 1);
+  return value;
+}
+
 template <class C>
 typename C::Gemm::Arguments MakeArguments(const GemmProblem& p) {
   using Gemm = typename C::Gemm;
@@ -96,6 +112,7 @@ typename C::Gemm::Arguments MakeArguments(const GemmProblem& p) {
       {static_cast<const Element*>(p.a), stride_a, static_cast<const Element*>(p.b), stride_b},
       {{1.0f, 0.0f}, nullptr, stride_d, static_cast<Element*>(p.d), stride_d},
       hw};
+  args.scheduler.max_swizzle_size = PlainSwizzle();  // the fused ops set their own
   return args;
 }
 

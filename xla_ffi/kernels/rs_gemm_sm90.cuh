@@ -15,11 +15,26 @@ template <class Element, class LayoutB>
 using Config =
     gemm_sm90::Config<Element, AgGemmSchedulerTag, gemm_sm90::DefaultTiles, Element, LayoutB>;
 
+// Swizzle of the own-rows tile order (CUTLASS max_swizzle_size, see ag_gemm_sm90.cuh). Along N
+// with no swizzle, each wave of tiles spans all of B and re-reads it from HBM; with 4, bands of
+// 4 cluster rows of tiles share B's columns in L2. Measured (benchmarks/README.md, session 9):
+// the fused op 1.4-3.7% faster at M = 8192 on 3 of 4 shapes with 4, but 0.1-0.9% slower at
+// M = 2048, where this rank's rows are a single band and the swizzle turns the sweep in landing
+// order into column order over all of them; so 4 from two bands of rows up, else 1.
+// JAXFLUX_GEMM_RS_SWIZZLE (1, 2, 4, 8) overrides it for measurements.
+inline int Swizzle(int rows, int cluster_rows) {
+  static const int forced = gemm_sm90::SwizzleFromEnv("JAXFLUX_GEMM_RS_SWIZZLE", 0);
+  if (forced != 0) return forced;
+  return rows >= 2 * 4 * cluster_rows ? 4 : 1;  // two bands of 4 cluster rows of tiles
+}
+
 template <class Element, class LayoutB>
 typename Config<Element, LayoutB>::Gemm::Arguments MakeArguments(const RsGemmProblem& p) {
   using C = Config<Element, LayoutB>;
   constexpr int kTileM = cute::get<0>(typename C::Tile{});
+  constexpr int kTileN = cute::get<1>(typename C::Tile{});
   constexpr int kClusterM = cute::get<0>(typename C::Cluster{});
+  constexpr int kClusterN = cute::get<1>(typename C::Cluster{});
   auto args = gemm_sm90::MakeArguments<C>(p.gemm);
   // D = A·B + C; without a source, beta 0 makes CUTLASS skip C's loads (its TMA descriptor
   // still needs a valid tensor: D's).
@@ -31,10 +46,11 @@ typename Config<Element, LayoutB>::Gemm::Arguments MakeArguments(const RsGemmPro
     using Options = typename C::Kernel::TileScheduler::RasterOrderOptions;
     s.raster_order = Options::AlongN;
   }
+  s.max_swizzle_size = Swizzle(p.gemm.m, kClusterM * kTileM);
   s.wait = p.wait;
   s.wait_for_flags = p.wait_for_flags;
-  const int tiles = (p.gemm.m + kTileM - 1) / kTileM;
-  s.tiles_m = (tiles + kClusterM - 1) / kClusterM * kClusterM;
+  s.tiles_m = C::Kernel::TileScheduler::template LinearTilesM<kTileN, kClusterM, kClusterN>(
+      p.gemm.m, p.gemm.n, s.max_swizzle_size);
   s.tile_shift = 0;
   s.total_rows = p.gemm.m;
   return args;
