@@ -7,7 +7,10 @@ M, K, N are the benchmark's global shape (shapes.json): gemm_rs multiplies x [M,
 K by w [K, N] sharded along K; ag_gemm multiplies x [M, K] sharded along M by w [K, N] sharded
 along N. --modes: gemm_rs's reduction modes (pass, epilogue); ag_gemm's `fused` (env knobs,
 e.g. JAXFLUX_AG_GEMM_LOCAL=copy, select variants); for both, `gemm_only`: the op's GEMM alone
-on the same per-device shape with communication off, as the benchmark's gemm_only column.
+on the same per-device shape with communication off, as the benchmark's gemm_only column;
+for gemm_rs, `own_rows`, `own_rows_c`, `own_rows_chunked`, `own_rows_c_chunked`: the epilogue
+mode's own-rows kernel alone, without or with its source C, in CUTLASS's tile order or swept
+along N as for a partial pushed in chunks (what the C read costs apart from the pushes).
 Prints `GPU  stream  start_us  duration_us  name` rows (start from the trace's first GPU event).
 It is how GEMM+RS's epilogue stall was found: the peer's push (MemcpyP2P) ran 19-24x slower
 while the own-rows GEMM spun on its flag (benchmarks/logs/gemm_rs_timeline_hostpoll_session5_*.log).
@@ -49,6 +52,24 @@ def gpu_events(trace_dir: pathlib.Path) -> list[tuple[str, str, float, float, st
                                                                               e["ts"]))]
 
 
+# gemm_rs's own-rows kernel (the epilogue reduction's GEMM) alone, communication off: without
+# and with its source C, in CUTLASS's tile order or swept along N as for chunked pushes.
+OWN_ROWS_MODES = ("own_rows", "own_rows_c", "own_rows_chunked", "own_rows_c_chunked")
+
+
+def gemm_summary(events) -> list[tuple[str, int, float]]:
+  """(kind, count, median us) of the GEMM kernels among `events`: the fused ops' scheduler
+  (the AG+GEMM kernel, GEMM+RS's own-rows kernel) apart from CUTLASS's (GEMM+RS's other GEMMs),
+  in order of first appearance."""
+  durations: dict[str, list[float]] = {}
+  for _, _, _, dur, name in events:
+    if "cutlass" not in name:
+      continue
+    kind = "fused-scheduler GEMM" if "AgGemmScheduler" in name else "CUTLASS-scheduler GEMM"
+    durations.setdefault(kind, []).append(dur)
+  return [(kind, len(d), float(np.median(d))) for kind, d in durations.items()]
+
+
 def fused_call(op: str, mode: str, mesh: Mesh):
   """The jitted fused op over `mesh` (global operands in, global result out); mode gemm_only:
   its GEMM alone on the same per-device shape, communication off (the benchmark's column)."""
@@ -62,6 +83,18 @@ def fused_call(op: str, mode: str, mesh: Mesh):
     body = functools.partial(gemm_module.gemm, tile_order="all_gather_matmul")
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "tp")),
                                  out_specs=P(None, "tp")))
+  if mode.startswith("own_rows"):  # gemm_rs's own-rows kernel alone (jaxflux.ops.gemm)
+    if op != "gemm_rs" or mode not in OWN_ROWS_MODES:
+      raise SystemExit(f"own-rows modes are gemm_rs's: {', '.join(OWN_ROWS_MODES)}")
+    from jaxflux.ops import gemm as gemm_module
+    tp = mesh.shape["tp"]
+
+    def own_rows(a, b):  # this device's own rows (a slice: its copy is a kernel of its own)
+      rows = a.shape[0] // tp
+      c = jnp.full((rows, b.shape[1]), 0.5, a.dtype) if "_c" in mode else None
+      return gemm_module.gemm_own_rows(a[:rows], b, c, chunked=mode.endswith("chunked"))
+    return jax.jit(jax.shard_map(own_rows, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
+                                 out_specs=P("tp", None)))
   if op == "gemm_rs":
     return jax.jit(jax.shard_map(lambda a, b: rs._fused(a, b, "tp", reduce=mode), mesh=mesh,
                                  in_specs=(P(None, "tp"), P("tp", None)),
@@ -81,8 +114,8 @@ def main(argv=None) -> None:
   p.add_argument("outdir", type=pathlib.Path)
   p.add_argument("--op", choices=("gemm_rs", "ag_gemm"), default="gemm_rs")
   p.add_argument("--modes", default=None,
-                 help="gemm_rs: pass, epilogue (default both); ag_gemm: fused (default); "
-                      "both: gemm_only")
+                 help="gemm_rs: pass, epilogue (default both), own_rows[_c][_chunked]; "
+                      "ag_gemm: fused (default); both: gemm_only")
   p.add_argument("--calls", type=int, default=4)
   args = p.parse_args(argv)
   modes = args.modes or ("pass,epilogue" if args.op == "gemm_rs" else "fused")
@@ -101,8 +134,11 @@ def main(argv=None) -> None:
         out = f(x, w)
       out.block_until_ready()
     print(f"==== {args.op} {mode}")
-    for gpu, stream, start, dur, name in gpu_events(trace_dir):
+    events = gpu_events(trace_dir)
+    for gpu, stream, start, dur, name in events:
       print(f"{gpu[:14]:14s} {stream[:22]:>22s} {start:10.1f} {dur:9.1f}  {name[:90]}")
+    for kind, count, median in gemm_summary(events):
+      print(f"summary {args.op} M={args.M} {mode}: {kind} x{count}, median {median:.1f} us")
 
 
 if __name__ == "__main__":

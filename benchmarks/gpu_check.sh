@@ -26,16 +26,17 @@
 #             default) against copying them in first (=copy): interleaved runs at M=2048,8192,
 #             then one with the GEMM-alone and GEMM-only columns (~5 min; the GPU tests of
 #             tests/test_ag_gemm_gpu.py are the `tests` stage)
-#   rschunks  experiment: GEMM+RS's split push cut where a model of the owner's GEMM waves says
-#             (JAXFLUX_GEMM_RS_CHUNKS=waves) against even chunks: its GPU tests, then the two
-#             interleaved twice on every GEMM+RS shape at M=2048..16384 (~8 min)
-#   rsepitile experiment: GEMM+RS's own-rows GEMM with a 128x64 epilogue sub-tile (a whole
-#             tile of the peer's partial prefetched, one mainloop stage fewer;
-#             JAXFLUX_GEMM_RS_EPILOGUE_TILE=128x64, bf16) against the automatic 128x32: its GPU
-#             tests, then the two interleaved twice at M=2048,8192 (~6 min)
-#   agtile160 experiment: AG+GEMM's cooperative 128x160 tile (config 4, for outputs whose 128x256
-#             tiles leave a partly empty last wave): its GPU tests, then the kernel's choice
-#             against configs 3 and 4 forced, GEMM-only and fused, at M=2048,4096 (~6 min)
+#   ownrows   GEMM+RS's own-rows kernel alone (jaxflux.ops.gemm.gemm_own_rows): its GPU tests,
+#             then the timeline of llama70b-out M=4096, 8192 and gpt3-out M=8192 in the modes
+#             gemm_only, own_rows[_c][_chunked] and epilogue: what reading C costs the own-rows
+#             GEMM with no communication, against its time inside the fused op (~4 min)
+#   power     SM clock and power draw (nvidia-smi, every 20 ms) while the GEMM alone, the GEMM-only
+#             mode and the fused op each run 3 s back to back, on llama70b-fc1 (ag_gemm) and
+#             llama70b-out, llama70b-fc2 (gemm_rs) at M=8192: is the fused op's time over its GEMM
+#             the clocks dropping (power) or the GEMM slower at the same clock? (~2 min)
+#   swizzle   the tile-order swizzle of GEMM+RS's own-rows kernel and of CUTLASS's scheduler:
+#             own-rows kernel times per swizzle (timeline), then the fused op per rs:plain
+#             pair in $SWIZZLE_PAIRS (default "1:1 4:1 4:4") against cuBLAS (~5 min)
 #   tables    the full tables of issues 4 and 5: every shape of one op ($TABLE_OP, default
 #             ag_gemm) at the M list $TABLE_M (default 1024,2048,4096,8192,16384) with every
 #             variant the issues compare (gemm, gemm_only, comm, xla, xla_windowed, pallas for
@@ -48,7 +49,7 @@
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
-STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect rschunks rsepitile agtile160 tables timelines}
+STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect ownrows power swizzle tables timelines}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLUX_CUDA=ON
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
@@ -201,52 +202,50 @@ if stage localdirect; then
     --out "$OUTDIR/ag_gemm_local_direct_ratios.json" 2>&1 | grep -A14 "^name" || status=1
 fi
 
-if stage rschunks; then
-  JAXFLUX_GEMM_RS_CHUNKS=waves timeout 200 python3 -m pytest -q -rs -m gpu \
-    tests/test_gemm_rs_gpu.py -k "benchmark_shapes or back_to_back or deterministic or gradients" \
-    -p no:cacheprovider -o faulthandler_timeout=90 > "$OUTDIR/gemm_rs_waves_tests.log" 2>&1 \
-    || status=1
-  tail -3 "$OUTDIR/gemm_rs_waves_tests.log"
-  for run in 1 2; do
-    for mode in even waves; do
-      JAXFLUX_GEMM_RS_CHUNKS=$mode timeout 90 python3 -m jaxflux.bench --op gemm_rs \
-        --M 2048,4096,8192,16384 --variants jaxflux --timing device \
-        --iters 30 --repeats 3 --warmup 3 --out "$OUTDIR/gemm_rs_chunks_${mode}_$run.json" \
-        > /dev/null 2>&1 || status=1
-    done
-    python3 benchmarks/compare_runs.py "$OUTDIR/gemm_rs_chunks_even_$run.json" \
-      "$OUTDIR/gemm_rs_chunks_waves_$run.json" --variants jaxflux || status=1
+if stage ownrows; then
+  timeout 150 python3 -m pytest -q -rs -m gpu tests/test_gemm_gpu.py -k own_rows \
+    -p no:cacheprovider -o faulthandler_timeout=90 > "$OUTDIR/own_rows_tests.log" 2>&1 || status=1
+  tail -3 "$OUTDIR/own_rows_tests.log"
+  modes=gemm_only,own_rows,own_rows_chunked,own_rows_c,own_rows_c_chunked,epilogue
+  for spec in "4096 8192 8192" "8192 8192 8192" "8192 12288 12288"; do
+    read -r m k n <<< "$spec"
+    timeout 90 python3 benchmarks/fused_timeline.py "$m" "$k" "$n" "$OUTDIR/trace_tmp" \
+      --op gemm_rs --modes "$modes" --calls 4 > "$OUTDIR/own_rows_timeline_M${m}_N${n}.log" 2>&1 \
+      || status=1
+    grep "^summary" "$OUTDIR/own_rows_timeline_M${m}_N${n}.log"
+  done
+  rm -rf "$OUTDIR/trace_tmp"
+fi
+
+if stage power; then
+  for spec in "ag_gemm llama70b-fc1" "gemm_rs llama70b-out" "gemm_rs llama70b-fc2"; do
+    read -r op shape <<< "$spec"
+    timeout 120 python3 benchmarks/power_probe.py --op "$op" --shape "$shape" --M 8192 \
+      --variants gemm,gemm_only,jaxflux --seconds 2 --out "$OUTDIR/power_${op}_${shape}.json" \
+      2>&1 | grep -v "^[WEI][0-9 ]" | tail -6 || status=1
   done
 fi
 
-if stage rsepitile; then
-  JAXFLUX_GEMM_RS_EPILOGUE_TILE=128x64 timeout 200 python3 -m pytest -q -rs -m gpu \
-    tests/test_gemm_rs_gpu.py -k "benchmark_shapes or back_to_back or deterministic or gradients" \
-    -p no:cacheprovider -o faulthandler_timeout=90 > "$OUTDIR/gemm_rs_epi128x64_tests.log" 2>&1 \
-    || status=1
-  tail -3 "$OUTDIR/gemm_rs_epi128x64_tests.log"
-  for run in 1 2; do
-    for tile in auto 128x64; do
-      JAXFLUX_GEMM_RS_EPILOGUE_TILE=$tile timeout 90 python3 -m jaxflux.bench --op gemm_rs \
-        --M 2048,8192 --variants jaxflux --timing device --iters 30 --repeats 3 --warmup 3 \
-        --out "$OUTDIR/gemm_rs_epitile_${tile}_$run.json" > /dev/null 2>&1 || status=1
+if stage swizzle; then
+  # The tile-order swizzle (CUTLASS max_swizzle_size) of GEMM+RS's own-rows kernel
+  # (JAXFLUX_GEMM_RS_SWIZZLE) and of CUTLASS's scheduler (JAXFLUX_GEMM_PLAIN_SWIZZLE: the
+  # GEMM-only op, GEMM+RS's peer rows): the own-rows kernel's time per swizzle from the timeline,
+  # then the fused op per rs:plain pair of $SWIZZLE_PAIRS side by side with cuBLAS.
+  for sw in ${RS_SWIZZLES:-1 2 4 8}; do
+    for spec in "4096 8192 8192" "8192 12288 12288"; do
+      read -r m k n <<< "$spec"
+      JAXFLUX_GEMM_RS_SWIZZLE=$sw timeout 90 python3 benchmarks/fused_timeline.py "$m" "$k" "$n" \
+        "$OUTDIR/trace_tmp" --op gemm_rs --modes own_rows_c_chunked,epilogue --calls 4 2>&1 \
+        | grep "^summary" | sed "s/^/rs_swizzle=$sw /" || status=1
     done
-    python3 benchmarks/compare_runs.py "$OUTDIR/gemm_rs_epitile_auto_$run.json" \
-      "$OUTDIR/gemm_rs_epitile_128x64_$run.json" --variants jaxflux || status=1
   done
-fi
-
-if stage agtile160; then
-  timeout 240 python3 -m pytest -q -rs -m gpu tests/test_ag_gemm_gpu.py -k "coop_128x160" \
-    -p no:cacheprovider -o faulthandler_timeout=90 > "$OUTDIR/ag_gemm_c4_tests.log" 2>&1 \
-    || status=1
-  tail -3 "$OUTDIR/ag_gemm_c4_tests.log"
-  for config in chosen 3 4; do
-    # chosen: the variable unset (set but empty would force config 0)
-    force=(); [[ $config != chosen ]] && force=(JAXFLUX_AG_GEMM_CONFIG=$config)
-    env ${force[@]+"${force[@]}"} timeout 150 python3 -m jaxflux.bench --op ag_gemm \
-      --M 2048,4096 --variants gemm,gemm_only,jaxflux --timing device --iters 30 --repeats 3 \
-      --warmup 3 --out "$OUTDIR/ag_gemm_config_$config.json" 2>&1 | grep -A10 "^name" || status=1
+  rm -rf "$OUTDIR/trace_tmp"
+  for pair in ${SWIZZLE_PAIRS:-1:1 4:1 4:4}; do
+    JAXFLUX_GEMM_RS_SWIZZLE=${pair%:*} JAXFLUX_GEMM_PLAIN_SWIZZLE=${pair#*:} timeout 200 \
+      python3 -m jaxflux.bench --op gemm_rs --shapes llama70b-out,llama70b-fc2,gpt3-out \
+      --M 4096,8192 --variants gemm,gemm_only,jaxflux --timing device --iters 30 --repeats 3 \
+      --warmup 3 --out "$OUTDIR/gemm_rs_swizzle_${pair/:/_}.json" 2>&1 | grep -A8 "^name" \
+      | sed "s/^/swizzle=$pair /" || status=1
   done
 fi
 

@@ -26,3 +26,35 @@ def test_gpu_events_of_a_synthetic_trace(tmp_path):
       ("/device:GPU:0", "8", 10, 40, "MemcpyP2P"),
       ("/device:GPU:0", "Stream #7", 30, 5, "gemm_b"),
   ]
+
+
+def test_own_rows_modes_call_the_own_rows_kernel_and_only_for_gemm_rs():
+  import jax
+  import numpy as np
+  import pytest
+  from jax.sharding import Mesh
+
+  import jaxflux
+  timeline = load_script(SCRIPT, "fused_timeline")
+  mesh = Mesh(np.asarray(jax.devices()[:2]), ("tp",))
+  with pytest.raises(SystemExit, match="own-rows modes are gemm_rs's"):
+    timeline.fused_call("ag_gemm", "own_rows_c", mesh)
+  with pytest.raises(SystemExit, match="own-rows modes"):
+    timeline.fused_call("gemm_rs", "own_rows_typo", mesh)
+  if jaxflux.has_cuda():
+    pytest.skip("the wiring check below needs the no-GPU error")
+  x = jax.ShapeDtypeStruct((256, 128), jax.numpy.bfloat16)
+  w = jax.ShapeDtypeStruct((128, 64), jax.numpy.bfloat16)
+  for mode in timeline.OWN_ROWS_MODES:
+    with pytest.raises(jaxflux.FusedKernelUnavailableError, match="gemm_own_rows"):
+      jax.eval_shape(timeline.fused_call("gemm_rs", mode, mesh), x, w)
+
+
+def test_gemm_summary_tells_the_schedulers_apart():
+  timeline = load_script(SCRIPT, "fused_timeline")
+  fused = "_ZN7cutlass13device_kernelI...AgGemmSchedulerTag..."
+  plain = "_ZN7cutlass13device_kernelI...PersistentTileSchedulerSm90..."
+  events = [("g0", "s", 0, 10.0, plain), ("g0", "s", 10, 20.0, fused), ("g0", "s", 30, 3.0, "x"),
+            ("g1", "s", 0, 12.0, plain), ("g1", "s", 12, 22.0, fused), ("g1", "s", 40, 30.0, fused)]
+  assert timeline.gemm_summary(events) == [("CUTLASS-scheduler GEMM", 2, 11.0),
+                                           ("fused-scheduler GEMM", 3, 22.0)]

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxflux
-from jaxflux.ops.gemm import gemm
+from jaxflux.ops.gemm import gemm, gemm_own_rows
 import gpu_util
 from gpu_util import TOL, reference, rel_err
 
@@ -74,3 +74,40 @@ def test_unavailable_without_gpu():
     jax.eval_shape(gemm, x, jax.ShapeDtypeStruct((16, 64), jnp.bfloat16))
 
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("with_c", [True, False])
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("x_shape,n", [
+    ((2048, 1024), 2048),  # 4 chunks of 512 rows when chunked (tiles swept along N)
+    ((1000, 264), 136),    # M, K, N not multiples of the tile
+])
+def test_own_rows_kernel_alone_matches_float32_reference(dtype, with_c, chunked, x_shape, n):
+  """GEMM+RS's own-rows kernel with communication off: x @ w + c, or x @ w without a source
+  (then C is not read at all: an output left over from D's garbage would fail the check)."""
+  x, w = gpu_util.operands(2, x_shape, (x_shape[-1], n), dtype)
+  c = jax.random.normal(jax.random.key(3), x_shape[:-1] + (n,), jnp.float32).astype(dtype)
+  f = jax.jit(functools.partial(gemm_own_rows, chunked=chunked))
+  got = f(x, w, c) if with_c else f(x, w)
+  want = reference(x, w) + (c.astype(jnp.float32) if with_c else 0.0)
+  assert got.shape == x_shape[:-1] + (n,) and got.dtype == dtype
+  assert np.isfinite(np.asarray(got, np.float32)).all()
+  assert rel_err(got, want) <= TOL[dtype]
+
+
+def test_own_rows_kernel_checks_c_at_trace_time():
+  x = jax.ShapeDtypeStruct((64, 16), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((16, 32), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"c must have the output's shape \(64, 32\)"):
+    jax.eval_shape(gemm_own_rows, x, w, jax.ShapeDtypeStruct((64, 16), jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"K=16 and N=36 must be multiples of 8"):
+    jax.eval_shape(gemm_own_rows, x, jax.ShapeDtypeStruct((16, 36), jnp.bfloat16))
+
+
+@pytest.mark.skipif(jaxflux.has_cuda(), reason="checks the no-GPU error")
+def test_own_rows_kernel_unavailable_without_gpu():
+  with pytest.raises(jaxflux.FusedKernelUnavailableError, match="gemm_own_rows"):
+    jax.eval_shape(gemm_own_rows, jax.ShapeDtypeStruct((64, 16), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((16, 64), jnp.bfloat16))

@@ -52,6 +52,7 @@ NB_MODULE(_jaxflux, m) {
     registrations["jaxflux_all_gather"] = stateful;
     registrations["jaxflux_all_gather_site_cached"] = Capsule(JaxfluxAllGatherSiteCached);
     registrations["jaxflux_gemm"] = Capsule(JaxfluxGemm);
+    registrations["jaxflux_gemm_own_rows"] = Capsule(JaxfluxGemmOwnRows);
     registrations["jaxflux_device_clock"] = Capsule(JaxfluxDeviceClock);
     registrations["jaxflux_device_slot"] = Capsule(JaxfluxDeviceSlot);
     nb::dict ag_gemm;

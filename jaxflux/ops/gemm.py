@@ -19,8 +19,7 @@ TILE_ORDERS = {"cutlass": 0, "all_gather_matmul": 1, "matmul_reduce_scatter": 2}
 
 # The fused AllGather+GEMM kernel's tile configs (xla_ffi/kernels/ag_gemm_sm90.h, AgGemmConfig).
 AG_GEMM_CONFIGS = ("coop_128x256_cluster2x1", "coop_128x256_cluster1x2",
-                   "coop_256x128_cluster1x2", "pingpong_128x128_cluster1x2",
-                   "coop_128x160_cluster2x1")
+                   "coop_256x128_cluster1x2", "pingpong_128x128_cluster1x2")
 
 
 def config_index(op: str, config: str | None) -> int:
@@ -31,6 +30,19 @@ def config_index(op: str, config: str | None) -> int:
     raise ValueError(f"{op}: config={config!r} is not one of {AG_GEMM_CONFIGS} (or None to let "
                      "the kernel choose).")
   return AG_GEMM_CONFIGS.index(config)
+
+
+def _check_operands(op: str, x, w) -> tuple[int, int]:
+  """The kernels' operand rules at trace time: x [..., M, K] and w [K, N] of one dtype, bf16 or
+  fp16, K and N multiples of 8. Returns (K, N)."""
+  _common.check_operands(op, x, w)
+  if x.dtype not in _common.FUSED_DTYPES or w.dtype != x.dtype:
+    raise TypeError(f"{op}: x and w must share a dtype, bfloat16 or float16; got x.dtype="
+                    f"{x.dtype}, w.dtype={w.dtype}.")
+  k, n = w.shape
+  if k % 8 or n % 8:
+    raise ValueError(f"{op}: K={k} and N={n} must be multiples of 8 (16-byte rows for TMA).")
+  return k, n
 
 
 def gemm(x, w, *, tile_order: str = "cutlass", config: str | None = None, owners: int = 1):
@@ -45,14 +57,7 @@ def gemm(x, w, *, tile_order: str = "cutlass", config: str | None = None, owners
   owners: with tile_order="matmul_reduce_scatter", how many row blocks; must divide M.
   """
   op = "gemm"
-  _common.check_operands(op, x, w)
-  for name, a in (("x", x), ("w", w)):
-    if a.dtype not in _common.FUSED_DTYPES or a.dtype != x.dtype:
-      raise TypeError(f"{op}: x and w must share a dtype, bfloat16 or float16; got x.dtype="
-                      f"{x.dtype}, w.dtype={w.dtype}.")
-  k, n = w.shape
-  if k % 8 or n % 8:
-    raise ValueError(f"{op}: K={k} and N={n} must be multiples of 8 (16-byte rows for TMA).")
+  _, n = _check_operands(op, x, w)
   if tile_order not in TILE_ORDERS:
     raise ValueError(f"{op}: tile_order={tile_order!r} is not one of {tuple(TILE_ORDERS)}.")
   config_id = config_index(op, config)
@@ -69,4 +74,28 @@ def gemm(x, w, *, tile_order: str = "cutlass", config: str | None = None, owners
               owners=np.int64(owners))
 
 
-__all__ = ["gemm"]
+def gemm_own_rows(x, w, c=None, *, chunked: bool = False):
+  """x [..., M, K] @ w [K, N] (+ c [..., M, N]) with the fused GEMM+ReduceScatter's own-rows
+  kernel alone (tp = 2's epilogue reduction, communication off: no peer, no waits).
+
+  With c, the kernel reads it as the source C, as the fused op reads the peer's partial; without,
+  the same kernel skips C (beta 0). Timing the two apart from the fused op says how much of the
+  own-rows GEMM's extra time is the C read and how much the pushes running beside it.
+  chunked: sweep the tiles along N, as the fused op does when the partial lands in row chunks.
+  """
+  op = "gemm_own_rows"
+  _, n = _check_operands(op, x, w)
+  out_shape = x.shape[:-1] + (n,)
+  if c is not None and (tuple(c.shape) != out_shape or c.dtype != x.dtype):
+    raise ValueError(f"{op}: c must have the output's shape {out_shape} and dtype {x.dtype}; "
+                     f"got {tuple(c.shape)} {c.dtype}.")
+  reason = _common.platform_reason()
+  if reason is not None:
+    raise _common.FusedKernelUnavailableError(f"{op}: {reason}")
+  _runtime.register_targets()
+  call = jax.ffi.ffi_call("jaxflux_gemm_own_rows", jax.ShapeDtypeStruct(out_shape, x.dtype))
+  source = c if c is not None else jax.numpy.zeros((8,), x.dtype)  # not read without c
+  return call(x, w, source, with_c=np.int64(c is not None), chunked=np.int64(chunked))
+
+
+__all__ = ["gemm", "gemm_own_rows"]

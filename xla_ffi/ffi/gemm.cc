@@ -1,4 +1,5 @@
-// D[..., M, N] = A[..., M, K] · B[K, N] with the sm90 CUTLASS GEMM (xla_ffi/kernels/gemm_sm90.h).
+// D[..., M, N] = A[..., M, K] · B[K, N] with the sm90 CUTLASS GEMM (xla_ffi/kernels/gemm_sm90.h),
+// and the fused kernels' GEMMs with communication off (GEMM-only modes, measurement).
 // Leading axes of A fold into M (row-major, so they are contiguous).
 #include "xla_ffi/ffi/gemm.h"
 
@@ -9,8 +10,11 @@
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi/gemm_wait.h"
+#include "xla_ffi/ffi/push_plan.h"
 #include "xla_ffi/kernels/ag_gemm_sm90.h"
 #include "xla_ffi/kernels/gemm_sm90.h"
+#include "xla_ffi/kernels/rs_gemm_sm90.h"
 
 namespace ffi = xla::ffi;
 
@@ -24,9 +28,13 @@ namespace {
 // fusion costs the GEMM.
 constexpr int64_t kTileOrderCutlass = 0, kTileOrderAllGather = 1, kTileOrderPerOwner = 2;
 
-ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
-                       ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d,
-                       int64_t tile_order, int64_t config, int64_t owners) {
+// The GEMM's operands: a [..., M, K] and b [K, N] (leading axes of a fold into M), d [..., M, N],
+// one dtype, bf16 or fp16. Sets m, n, k; *done when there is nothing to compute (an empty
+// output, or K = 0, where d is zeroed on `stream`).
+ffi::Error CheckOperands(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                         ffi::Result<ffi::AnyBuffer>& d, int64_t* m, int64_t* n, int64_t* k,
+                         bool* done) {
+  *done = false;
   const auto dtype = a.element_type();
   if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
     return ffi::Error::InvalidArgument("jaxflux gemm: inputs must be bfloat16 or float16");
@@ -39,27 +47,52 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
   if (a_dims.size() < 2 || b_dims.size() != 2 || a_dims.back() != b_dims[0]) {
     return ffi::Error::InvalidArgument("jaxflux gemm: expected a [..., M, K] and b [K, N]");
   }
-  const int64_t k = b_dims[0];
-  const int64_t n = b_dims[1];
-  const int64_t m = k == 0 ? 0 : static_cast<int64_t>(a.element_count()) / k;
+  *k = b_dims[0];
+  *n = b_dims[1];
+  *m = *k == 0 ? 0 : static_cast<int64_t>(a.element_count()) / *k;
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
-  if (m > kIntMax || n > kIntMax || k > kIntMax) {
+  if (*m > kIntMax || *n > kIntMax || *k > kIntMax) {
     return ffi::Error::InvalidArgument("jaxflux gemm: a dimension exceeds 2^31-1");
   }
-  if (k % 8 || n % 8) {
+  if (*k % 8 || *n % 8) {
     return ffi::Error::InvalidArgument("jaxflux gemm: K and N must be multiples of 8 (16-byte "
-                                       "rows for TMA); got K=" + std::to_string(k) +
-                                       ", N=" + std::to_string(n));
+                                       "rows for TMA); got K=" + std::to_string(*k) +
+                                       ", N=" + std::to_string(*n));
   }
-  if (m == 0 || n == 0) return ffi::Error::Success();
-  if (k == 0) {  // empty contraction: D = 0
+  if (*m == 0 || *n == 0) {
+    *done = true;
+  } else if (*k == 0) {  // empty contraction: D = 0
+    *done = true;
     if (cudaError_t err = cudaMemsetAsync(d->untyped_data(), 0, d->size_bytes(), stream);
         err != cudaSuccess) {
       return ffi::Error::Internal(std::string("jaxflux gemm: cudaMemsetAsync failed: ") +
                                   cudaGetErrorString(err));
     }
-    return ffi::Error::Success();
   }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckLaunch(const char* failure) {
+  if (failure != nullptr) {
+    return ffi::Error::Internal(std::string("jaxflux gemm: ") + failure);
+  }
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return ffi::Error::Internal(std::string("jaxflux gemm: kernel launch failed: ") +
+                                cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
+                       ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d,
+                       int64_t tile_order, int64_t config, int64_t owners) {
+  int64_t m = 0, n = 0, k = 0;
+  bool done = false;
+  if (ffi::Error e = CheckOperands(stream, a, b, d, &m, &n, &k, &done); e.failure() || done) {
+    return e;
+  }
+  const auto dtype = a.element_type();
+  const auto a_dims = a.dimensions();
   if (tile_order < kTileOrderCutlass || tile_order > kTileOrderPerOwner) {
     return ffi::Error::InvalidArgument("jaxflux gemm: unknown tile_order " +
                                        std::to_string(tile_order));
@@ -116,14 +149,52 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
       failure = GemmSm90(which, problem, workspace, stream);
     }
   }
-  if (failure != nullptr) {
-    return ffi::Error::Internal(std::string("jaxflux gemm: ") + failure);
+  return CheckLaunch(failure);
+}
+
+// The fused GEMM+ReduceScatter's own-rows kernel (rs_gemm_sm90.h) alone, communication off:
+// D = A·B + C with no peer and no waits, or D = A·B with with_c = 0 (beta 0: c is not read and
+// may be any array). with_c = 1 against 0 is what reading the peer's partial as C costs that
+// GEMM, apart from the pushes that run beside it in the fused op; chunked = 1 sweeps the tiles
+// along N as the fused op does when the partial lands in row chunks (PlanEvenChunks).
+ffi::Error GemmOwnRowsExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
+                              ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer c,
+                              ffi::Result<ffi::AnyBuffer> d, int64_t with_c, int64_t chunked) {
+  int64_t m = 0, n = 0, k = 0;
+  bool done = false;
+  if (ffi::Error e = CheckOperands(stream, a, b, d, &m, &n, &k, &done); e.failure() || done) {
+    return e;
   }
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
-    return ffi::Error::Internal(std::string("jaxflux gemm: kernel launch failed: ") +
-                                cudaGetErrorString(err));
+  if (with_c != 0 &&
+      (c.element_type() != d->element_type() || c.element_count() != d->element_count())) {
+    return ffi::Error::InvalidArgument("jaxflux gemm own rows: c must be laid out like the "
+                                       "output [..., M, N], in its dtype");
   }
-  return ffi::Error::Success();
+  const GemmDtype which =
+      a.element_type() == ffi::DataType::BF16 ? GemmDtype::kBF16 : GemmDtype::kF16;
+  RsGemmProblem own{};
+  own.gemm = GemmProblem{a.untyped_data(), b.untyped_data(), d->untyped_data(),
+                         static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), device};
+  own.c = with_c != 0 ? c.untyped_data() : nullptr;
+  own.wait_for_flags = 0;
+  own.wait.tp = 1;
+  own.wait.rows_per_shard = static_cast<int>(m);
+  own.wait.chunk_ends[0] = static_cast<int>(m);  // one chunk: CUTLASS's tile order
+  if (chunked != 0) {
+    const PushChunks chunks = PlanEvenChunks(static_cast<size_t>(m));
+    SetChunkEnds(&own.wait, chunks.ends, chunks.count);
+  }
+  own.wait.epilogue_load_only = 1;
+  void* workspace = nullptr;
+  if (const size_t bytes = RsGemmSm90WorkspaceBytes(which, own); bytes > 0) {
+    auto allocation = scratch.Allocate(bytes, 256);
+    if (!allocation.has_value()) {
+      return ffi::Error::Internal("jaxflux gemm own rows: could not allocate " +
+                                  std::to_string(bytes) + " bytes of scratch");
+    }
+    workspace = *allocation;
+  }
+  return CheckLaunch(RsGemmSm90(which, own, workspace, stream));
 }
 
 }  // namespace
@@ -141,3 +212,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("tile_order")                    // 0 CUTLASS's, 1 AG+GEMM's, 2 owners
         .Attr<int64_t>("config")                        // tile_order 1: AgGemmConfig or -1
         .Attr<int64_t>("owners"));                      // tile_order 2: row blocks (tp)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxfluxGemmOwnRows, jaxflux::GemmOwnRowsExecute,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this device
+        .Ctx<xla::ffi::DeviceOrdinal>()                 // CUDA ordinal
+        .Ctx<xla::ffi::ScratchAllocator>()              // CUTLASS workspace, if any
+        .Arg<xla::ffi::AnyBuffer>()                     // a: [..., M, K]
+        .Arg<xla::ffi::AnyBuffer>()                     // b: [K, N]
+        .Arg<xla::ffi::AnyBuffer>()                     // c: [..., M, N] (with_c = 1)
+        .Ret<xla::ffi::AnyBuffer>()                     // d: [..., M, N]
+        .Attr<int64_t>("with_c")                        // 1: D = A·B + C; 0: D = A·B
+        .Attr<int64_t>("chunked"));                     // 1: tiles along N, as for chunks

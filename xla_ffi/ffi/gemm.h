@@ -7,5 +7,7 @@
 #include "xla/ffi/api/c_api.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfluxGemm);
+// The fused GEMM+ReduceScatter's own-rows GEMM alone, with or without its source C.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfluxGemmOwnRows);
 
 #endif  // JAXFLUX_XLA_FFI_FFI_GEMM_H_

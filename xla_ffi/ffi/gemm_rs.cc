@@ -184,34 +184,18 @@ bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k, si
   }
 }
 
-// Where the split push cuts the peer's partial (JAXFLUX_GEMM_RS_CHUNKS; an experiment):
-// - even (default): kMaxChunks chunks of equal rows, cut at 128-row tiles.
-// - waves: each chunk as long as it can be while still landing before the wave of the owner's
-//   GEMM that first needs its first row (PlanWaveChunks), so the first chunk is about one
-//   wave's rows. The session 7 timeline (benchmarks/README.md) suggests that even chunks make
-//   the first waves of llama70b-out at M >= 4096 wait ~10-18 us in total (estimated from the
-//   chunk times, not measured per tile).
-enum class ChunkMode { kEven, kWaves };
 static_assert(kAgGemmMaxChunks == kMaxChunks, "the kernel's chunk_ends hold one push's chunks");
 static_assert(kPushMaxChunks == kMaxChunks, "a push plan's chunks are flagged e*kMaxChunks + c + 1");
 
-ChunkMode Chunks() {
-  static const ChunkMode mode = [] {
-    const char* env = std::getenv("JAXFLUX_GEMM_RS_CHUNKS");
-    return env != nullptr && std::string(env) == "waves" ? ChunkMode::kWaves : ChunkMode::kEven;
-  }();
-  return mode;
-}
-
-// The chunks of the split push (with the epilogue reduction, unbatched x). Even chunks: one
-// chunk (s.m rows) when the partial is within the epilogue's measured no-stall size
-// (kEpilogueBytesPerK bytes per K), where waiting for all of it costs nothing.
-PushChunks PlanPush(const Shapes& s, bool epilogue_reduce, int sm_count) {
+// The chunks of the split push (with the epilogue reduction, unbatched x): kMaxChunks chunks of
+// equal rows, or one chunk (s.m rows) when the partial is within the epilogue's measured
+// no-stall size (kEpilogueBytesPerK bytes per K), where waiting for all of it costs nothing.
+// (Cutting where a model of the owner's GEMM waves said each chunk lands on time measured the
+// same as even chunks, session 8: docs/design.md.)
+PushChunks PlanPush(const Shapes& s, bool epilogue_reduce) {
   PushChunks plan;
   plan.ends[0] = s.m;
   if (!PushInChunks(s.batch) || !epilogue_reduce) return plan;
-  // The wave model decides for itself whether one chunk lands on time (its plan has one chunk).
-  if (Chunks() == ChunkMode::kWaves) return PlanWaveChunks(s.m, s.n, s.k, s.elem, sm_count);
   if (s.m * s.n * s.elem <= kEpilogueBytesPerK * s.k) return plan;
   return PlanEvenChunks(s.m);
 }
@@ -287,7 +271,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   problem.batch_stride_a = static_cast<int64_t>(s.rows * s.k);
   problem.batch_stride_d = static_cast<int64_t>(s.m * s.n);
   const bool epilogue_reduce = EpilogueReduce(tp, reduce_mode, partial_bytes, s.k, s.batch);
-  const PushChunks chunks = PlanPush(s, epilogue_reduce, res->sm_count);  // 1: the whole partial
+  const PushChunks chunks = PlanPush(s, epilogue_reduce);  // 1: the whole partial
   const int peer = (rank + 1) % static_cast<int>(tp);  // the only peer when epilogue_reduce
   RsGemmProblem own{};  // the own rows with the reduction in the epilogue (tp = 2)
   if (epilogue_reduce) {

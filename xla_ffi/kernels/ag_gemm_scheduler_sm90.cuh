@@ -31,7 +31,7 @@ class AgGemmScheduler : public cutlass::gemm::kernel::detail::PersistentTileSche
   struct Arguments : Base::Arguments {
     AgGemmWait wait{};
     int wait_for_flags = 1;
-    int tiles_m = 0;        // M tiles of the problem, rounded up to the cluster's M extent
+    int tiles_m = 0;        // M tiles of the linear tile index (LinearTilesM)
     int tile_shift = 0;     // rotation of M tiles (a multiple of the cluster's M extent)
     int total_rows = 0;     // M
   };
@@ -61,6 +61,19 @@ class AgGemmScheduler : public cutlass::gemm::kernel::detail::PersistentTileSche
     params.tile_shift = args.tile_shift;
     params.total_rows = args.total_rows;
     return params;
+  }
+
+  // The M tiles the scheduler's linear tile index spans. CUTLASS rounds the grid's tile counts
+  // up to the cluster and, with a swizzle, to swizzle x cluster; the extra tiles lie past M
+  // (TMA clips them). The rotation (tile_shift) must run over all of them: modulo fewer, a tile
+  // past M would wrap onto a real tile and compute it twice.
+  template <int kTileN, int kClusterM, int kClusterN>
+  static int LinearTilesM(int m, int n, int max_swizzle) {
+    const int tiles_m = ((m + kTileM - 1) / kTileM + kClusterM - 1) / kClusterM * kClusterM;
+    const int tiles_n = ((n + kTileN - 1) / kTileN + kClusterN - 1) / kClusterN * kClusterN;
+    const int log_swizzle = BaseParams::get_log_swizzle_size(tiles_m, tiles_n, max_swizzle);
+    const int step = (1 << log_swizzle) * kClusterM;
+    return (tiles_m + step - 1) / step * step;
   }
 
   CUTLASS_DEVICE explicit AgGemmScheduler(Params const& params)

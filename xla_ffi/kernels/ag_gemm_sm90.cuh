@@ -15,7 +15,6 @@ using Tiles0 = gemm_sm90::TileConfig<128, 256, 2, 1, false>;  // kCoop128x256Clu
 using Tiles1 = gemm_sm90::TileConfig<128, 256, 1, 2, false>;  // kCoop128x256Cluster1x2
 using Tiles2 = gemm_sm90::TileConfig<256, 128, 1, 2, false>;  // kCoop256x128Cluster1x2
 using Tiles3 = gemm_sm90::TileConfig<128, 128, 1, 2, true>;   // kPingpong128x128Cluster1x2
-using Tiles4 = gemm_sm90::TileConfig<128, 160, 2, 1, false>;  // kCoop128x160Cluster2x1
 
 // The GEMM of gemm_sm90.cuh with the AllGather tile scheduler and a mainloop that reads this
 // rank's own rows from its shard rather than from the gathered buffer (LocalShardMainloop).
@@ -33,11 +32,7 @@ struct Config : gemm_sm90::Config<Element, AgGemmSchedulerTag, Tiles, void, Layo
 // together along N, for L2 reuse of B). 4 measured best for the fused kernel on llama70b-fc1
 // (benchmarks/README.md); JAXFLUX_GEMM_SWIZZLE overrides it for measurements.
 inline int Swizzle() {
-  static const int value = [] {
-    const char* env = std::getenv("JAXFLUX_GEMM_SWIZZLE");
-    const int s = env ? std::atoi(env) : 4;
-    return (s == 1 || s == 2 || s == 4 || s == 8) ? s : 4;
-  }();
+  static const int value = gemm_sm90::SwizzleFromEnv("JAXFLUX_GEMM_SWIZZLE", 4);
   return value;
 }
 
@@ -45,7 +40,9 @@ template <class Element, class Tiles, class LayoutB>
 typename Config<Element, Tiles, LayoutB>::Gemm::Arguments MakeArguments(const AgGemmProblem& p) {
   using C = Config<Element, Tiles, LayoutB>;
   constexpr int kTileM = cute::get<0>(typename C::Tile{});
+  constexpr int kTileN = cute::get<1>(typename C::Tile{});
   constexpr int kClusterM = cute::get<0>(typename C::Cluster{});
+  constexpr int kClusterN = cute::get<1>(typename C::Cluster{});
   auto args = gemm_sm90::MakeArguments<C>(p.gemm);
   if (p.a_local != nullptr) {  // the host checked rows_per_shard % kTileM (AgGemmTileRows)
     args.mainloop.ptr_a_local = static_cast<const typename C::Element*>(p.a_local);
@@ -61,8 +58,8 @@ typename Config<Element, Tiles, LayoutB>::Gemm::Arguments MakeArguments(const Ag
   s.max_swizzle_size = Swizzle();
   s.wait = p.wait;
   s.wait_for_flags = p.wait_for_flags;
-  const int tiles = (p.gemm.m + kTileM - 1) / kTileM;
-  s.tiles_m = (tiles + kClusterM - 1) / kClusterM * kClusterM;
+  s.tiles_m = C::Kernel::TileScheduler::template LinearTilesM<kTileN, kClusterM, kClusterN>(
+      p.gemm.m, p.gemm.n, s.max_swizzle_size);
   const long long first_row = static_cast<long long>(p.wait.rank) * p.wait.rows_per_shard;
   s.tile_shift = static_cast<int>(first_row / kTileM) / kClusterM * kClusterM % s.tiles_m;
   s.total_rows = p.gemm.m;

@@ -53,15 +53,10 @@ enum class AgGemmConfig : int {
   kCoop128x256Cluster1x2 = 1,
   kCoop256x128Cluster1x2 = 2,
   kPingpong128x128Cluster1x2 = 3,
-  // An experiment (not chosen by ChooseAgGemmConfig yet; JAXFLUX_AG_GEMM_CONFIG=4 or config=):
-  // for outputs whose 128x256 tiles leave a partly empty last wave, e.g. Llama-70B QKV at
-  // M=2048 (2048x5120 per device: 320 tiles of 128x256 = 2.4 waves on 132 SMs, 512 of 128x160
-  // = 3.9 waves).
-  kCoop128x160Cluster2x1 = 4,
 };
-inline constexpr int kAgGemmNumConfigs = 5;
+inline constexpr int kAgGemmNumConfigs = 4;
 
-// The config for a problem: JAXFLUX_AG_GEMM_CONFIG=0..4 when set (measurement knob), else the
+// The config for a problem: JAXFLUX_AG_GEMM_CONFIG=0..3 when set (measurement knob), else the
 // default (per-shape choice: to be measured, issue 4).
 AgGemmConfig ChooseAgGemmConfig(const GemmProblem& problem);
 

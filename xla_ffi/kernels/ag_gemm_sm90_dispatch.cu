@@ -15,22 +15,18 @@ JAXFLUX_DECLARE_AG_GEMM(bf16_c0)
 JAXFLUX_DECLARE_AG_GEMM(bf16_c1)
 JAXFLUX_DECLARE_AG_GEMM(bf16_c2)
 JAXFLUX_DECLARE_AG_GEMM(bf16_c3)
-JAXFLUX_DECLARE_AG_GEMM(bf16_c4)
 JAXFLUX_DECLARE_AG_GEMM(bf16_c0_kmajor)
 JAXFLUX_DECLARE_AG_GEMM(bf16_c1_kmajor)
 JAXFLUX_DECLARE_AG_GEMM(bf16_c2_kmajor)
 JAXFLUX_DECLARE_AG_GEMM(bf16_c3_kmajor)
-JAXFLUX_DECLARE_AG_GEMM(bf16_c4_kmajor)
 JAXFLUX_DECLARE_AG_GEMM(f16_c0)
 JAXFLUX_DECLARE_AG_GEMM(f16_c1)
 JAXFLUX_DECLARE_AG_GEMM(f16_c2)
 JAXFLUX_DECLARE_AG_GEMM(f16_c3)
-JAXFLUX_DECLARE_AG_GEMM(f16_c4)
 JAXFLUX_DECLARE_AG_GEMM(f16_c0_kmajor)
 JAXFLUX_DECLARE_AG_GEMM(f16_c1_kmajor)
 JAXFLUX_DECLARE_AG_GEMM(f16_c2_kmajor)
 JAXFLUX_DECLARE_AG_GEMM(f16_c3_kmajor)
-JAXFLUX_DECLARE_AG_GEMM(f16_c4_kmajor)
 #undef JAXFLUX_DECLARE_AG_GEMM
 
 namespace {
@@ -45,23 +41,19 @@ constexpr Entry kTable[2][2][kAgGemmNumConfigs] = {
     {{{AgGemmWorkspaceBytes_bf16_c0, AgGemmRun_bf16_c0},
       {AgGemmWorkspaceBytes_bf16_c1, AgGemmRun_bf16_c1},
       {AgGemmWorkspaceBytes_bf16_c2, AgGemmRun_bf16_c2},
-      {AgGemmWorkspaceBytes_bf16_c3, AgGemmRun_bf16_c3},
-      {AgGemmWorkspaceBytes_bf16_c4, AgGemmRun_bf16_c4}},
+      {AgGemmWorkspaceBytes_bf16_c3, AgGemmRun_bf16_c3}},
      {{AgGemmWorkspaceBytes_bf16_c0_kmajor, AgGemmRun_bf16_c0_kmajor},
       {AgGemmWorkspaceBytes_bf16_c1_kmajor, AgGemmRun_bf16_c1_kmajor},
       {AgGemmWorkspaceBytes_bf16_c2_kmajor, AgGemmRun_bf16_c2_kmajor},
-      {AgGemmWorkspaceBytes_bf16_c3_kmajor, AgGemmRun_bf16_c3_kmajor},
-      {AgGemmWorkspaceBytes_bf16_c4_kmajor, AgGemmRun_bf16_c4_kmajor}}},
+      {AgGemmWorkspaceBytes_bf16_c3_kmajor, AgGemmRun_bf16_c3_kmajor}}},
     {{{AgGemmWorkspaceBytes_f16_c0, AgGemmRun_f16_c0},
       {AgGemmWorkspaceBytes_f16_c1, AgGemmRun_f16_c1},
       {AgGemmWorkspaceBytes_f16_c2, AgGemmRun_f16_c2},
-      {AgGemmWorkspaceBytes_f16_c3, AgGemmRun_f16_c3},
-      {AgGemmWorkspaceBytes_f16_c4, AgGemmRun_f16_c4}},
+      {AgGemmWorkspaceBytes_f16_c3, AgGemmRun_f16_c3}},
      {{AgGemmWorkspaceBytes_f16_c0_kmajor, AgGemmRun_f16_c0_kmajor},
       {AgGemmWorkspaceBytes_f16_c1_kmajor, AgGemmRun_f16_c1_kmajor},
       {AgGemmWorkspaceBytes_f16_c2_kmajor, AgGemmRun_f16_c2_kmajor},
-      {AgGemmWorkspaceBytes_f16_c3_kmajor, AgGemmRun_f16_c3_kmajor},
-      {AgGemmWorkspaceBytes_f16_c4_kmajor, AgGemmRun_f16_c4_kmajor}}}};
+      {AgGemmWorkspaceBytes_f16_c3_kmajor, AgGemmRun_f16_c3_kmajor}}}};
 
 const Entry& Lookup(GemmDtype dtype, const AgGemmProblem& problem) {
   int c = static_cast<int>(problem.config);

@@ -7,6 +7,7 @@
 // instantiates a few more (ag_gemm_sm90.h, AgGemmConfig) to choose from per shape.
 #pragma once
 
+#include <cstdlib>
 #include <type_traits>
 
 #include "cute/tensor.hpp"
@@ -44,12 +45,9 @@ using KMajorB = cutlass::layout::ColumnMajor;
 // SchedulerTag: void = CUTLASS's static persistent scheduler (GEMM-only op); the fused ops plug
 // in their own (ag_gemm_scheduler_sm90.cuh). ElementC: void = no source operand (D = A·B);
 // Element = D = A·B + C (the fused GEMM+ReduceScatter's own rows, rs_gemm_sm90.cuh).
-// LayoutB: NMajorB or KMajorB (GemmProblem::b_kmajor). EpilogueTile: the sub-tile the epilogue
-// works in (CUTLASS's automatic choice, 128x32 for the cooperative 128x256 tile, or a
-// cute::Shape), which with a C also sets how much of C is prefetched into shared memory.
+// LayoutB: NMajorB or KMajorB (GemmProblem::b_kmajor).
 template <class Element_, class SchedulerTag = void, class Tiles = DefaultTiles,
-          class ElementC = void, class LayoutB = NMajorB,
-          class EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto>
+          class ElementC = void, class LayoutB = NMajorB>
 struct Config {
   using Element = Element_;
   using Layout = cutlass::layout::RowMajor;  // A [M,K], C and D [M,N]
@@ -60,7 +58,7 @@ struct Config {
   // D = alpha·A·B + beta·C, fp32 math; with ElementC = void no C is read.
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      EpilogueTile, float, float, ElementC, Layout, kAlign,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, Layout, kAlign,
       Element, Layout, kAlign, typename Tiles::EpilogueSchedule>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -74,6 +72,21 @@ struct Config {
                                                       Epilogue, SchedulerTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
+
+// A tile-order swizzle (CUTLASS max_swizzle_size) from the environment variable `name`
+// (1, 2, 4 or 8; anything else, or unset: `fallback`), read once per process by the caller.
+inline int SwizzleFromEnv(const char* name, int fallback) {
+  const char* env = std::getenv(name);
+  const int s = env ? std::atoi(env) : fallback;
+  return (s == 1 || s == 2 || s == 4 || s == 8) ? s : fallback;
+}
+
+// Swizzle of CUTLASS's own scheduler (the GEMM-only op and GEMM+ReduceScatter's peer rows);
+// JAXFLUX_GEMM_PLAIN_SWIZZLE overrides it for measurements.
+inline int PlainSwizzle() {
+  static const int value = SwizzleFromEnv("JAXFLUX_GEMM_PLAIN_SWIZZLE", 1);
+  return value;
+}
 
 template <class C>
 typename C::Gemm::Arguments MakeArguments(const GemmProblem& p) {
@@ -99,6 +112,7 @@ typename C::Gemm::Arguments MakeArguments(const GemmProblem& p) {
       {static_cast<const Element*>(p.a), stride_a, static_cast<const Element*>(p.b), stride_b},
       {{1.0f, 0.0f}, nullptr, stride_d, static_cast<Element*>(p.d), stride_d},
       hw};
+  args.scheduler.max_swizzle_size = PlainSwizzle();  // the fused ops set their own
   return args;
 }
 

@@ -10,73 +10,86 @@
 namespace jaxflux::rs_gemm_sm90 {
 
 // The default tile config (cooperative 128x256, 2x1 clusters): its producer warp 2 loads C,
-// which is what the scheduler's epilogue_load_only wait assumes. EpiTile: the epilogue's
-// sub-tile (gemm_sm90::Config), CUTLASS's automatic 128x32 by default.
-template <class Element, class LayoutB,
-          class EpiTile = cutlass::epilogue::collective::EpilogueTileAuto>
-using Config = gemm_sm90::Config<Element, AgGemmSchedulerTag, gemm_sm90::DefaultTiles, Element,
-                                 LayoutB, EpiTile>;
+// which is what the scheduler's epilogue_load_only wait assumes.
+template <class Element, class LayoutB>
+using Config =
+    gemm_sm90::Config<Element, AgGemmSchedulerTag, gemm_sm90::DefaultTiles, Element, LayoutB>;
 
-template <class Element, class LayoutB, class EpiTile>
-typename Config<Element, LayoutB, EpiTile>::Gemm::Arguments MakeArguments(
-    const RsGemmProblem& p) {
-  using C = Config<Element, LayoutB, EpiTile>;
+// Swizzle of the own-rows tile order (CUTLASS max_swizzle_size, see ag_gemm_sm90.cuh). Along N
+// with no swizzle, each wave of tiles spans all of B and re-reads it from HBM; with 4, bands of
+// 4 cluster rows of tiles share B's columns in L2. Measured (benchmarks/README.md, session 9):
+// the fused op 1.4-3.7% faster at M = 8192 on 3 of 4 shapes with 4, but 0.1-0.9% slower at
+// M = 2048, where this rank's rows are a single band and the swizzle turns the sweep in landing
+// order into column order over all of them; so 4 from two bands of rows up, else 1.
+// JAXFLUX_GEMM_RS_SWIZZLE (1, 2, 4, 8) overrides it for measurements.
+inline int Swizzle(int rows, int cluster_rows) {
+  static const int forced = gemm_sm90::SwizzleFromEnv("JAXFLUX_GEMM_RS_SWIZZLE", 0);
+  if (forced != 0) return forced;
+  return rows >= 2 * 4 * cluster_rows ? 4 : 1;  // two bands of 4 cluster rows of tiles
+}
+
+template <class Element, class LayoutB>
+typename Config<Element, LayoutB>::Gemm::Arguments MakeArguments(const RsGemmProblem& p) {
+  using C = Config<Element, LayoutB>;
   constexpr int kTileM = cute::get<0>(typename C::Tile{});
+  constexpr int kTileN = cute::get<1>(typename C::Tile{});
   constexpr int kClusterM = cute::get<0>(typename C::Cluster{});
+  constexpr int kClusterN = cute::get<1>(typename C::Cluster{});
   auto args = gemm_sm90::MakeArguments<C>(p.gemm);
-  args.epilogue.ptr_C = static_cast<const Element*>(p.c);
-  args.epilogue.thread.beta = 1.0f;  // D = A·B + C
+  // D = A·B + C; without a source, beta 0 makes CUTLASS skip C's loads (its TMA descriptor
+  // still needs a valid tensor: D's).
+  args.epilogue.ptr_C = static_cast<const Element*>(p.c != nullptr ? p.c : p.gemm.d);
+  args.epilogue.thread.beta = p.c != nullptr ? 1.0f : 0.0f;
   auto& s = args.scheduler;  // CUTLASS's tile order; every tile waits on the same flag
   if (p.wait.chunk_ends[0] < p.wait.rows_per_shard) {
     // The peer's partial lands in row chunks, in order: sweep the rows in that order too.
     using Options = typename C::Kernel::TileScheduler::RasterOrderOptions;
     s.raster_order = Options::AlongN;
   }
+  s.max_swizzle_size = Swizzle(p.gemm.m, kClusterM * kTileM);
   s.wait = p.wait;
-  s.wait_for_flags = 1;
-  const int tiles = (p.gemm.m + kTileM - 1) / kTileM;
-  s.tiles_m = (tiles + kClusterM - 1) / kClusterM * kClusterM;
+  s.wait_for_flags = p.wait_for_flags;
+  s.tiles_m = C::Kernel::TileScheduler::template LinearTilesM<kTileN, kClusterM, kClusterN>(
+      p.gemm.m, p.gemm.n, s.max_swizzle_size);
   s.tile_shift = 0;
   s.total_rows = p.gemm.m;
   return args;
 }
 
-template <class Element, class LayoutB, class EpiTile>
+template <class Element, class LayoutB>
 size_t WorkspaceBytesOf(const RsGemmProblem& p) {
-  return Config<Element, LayoutB, EpiTile>::Gemm::get_workspace_size(
-      MakeArguments<Element, LayoutB, EpiTile>(p));
+  return Config<Element, LayoutB>::Gemm::get_workspace_size(MakeArguments<Element, LayoutB>(p));
 }
 
-template <class Element, class LayoutB, class EpiTile>
+template <class Element, class LayoutB>
 const char* RunOf(const RsGemmProblem& p, void* workspace, cudaStream_t stream) {
-  return gemm_sm90::Launch<Config<Element, LayoutB, EpiTile>>(
-      MakeArguments<Element, LayoutB, EpiTile>(p), workspace, stream);
+  return gemm_sm90::Launch<Config<Element, LayoutB>>(MakeArguments<Element, LayoutB>(p),
+                                                     workspace, stream);
 }
 
 // B's layout from the problem (GemmProblem::b_kmajor).
-template <class Element, class EpiTile>
+template <class Element>
 size_t WorkspaceBytes(const RsGemmProblem& p) {
-  return p.gemm.b_kmajor ? WorkspaceBytesOf<Element, gemm_sm90::KMajorB, EpiTile>(p)
-                         : WorkspaceBytesOf<Element, gemm_sm90::NMajorB, EpiTile>(p);
+  return p.gemm.b_kmajor ? WorkspaceBytesOf<Element, gemm_sm90::KMajorB>(p)
+                         : WorkspaceBytesOf<Element, gemm_sm90::NMajorB>(p);
 }
 
-template <class Element, class EpiTile>
+template <class Element>
 const char* Run(const RsGemmProblem& p, void* workspace, cudaStream_t stream) {
-  return p.gemm.b_kmajor ? RunOf<Element, gemm_sm90::KMajorB, EpiTile>(p, workspace, stream)
-                         : RunOf<Element, gemm_sm90::NMajorB, EpiTile>(p, workspace, stream);
+  return p.gemm.b_kmajor ? RunOf<Element, gemm_sm90::KMajorB>(p, workspace, stream)
+                         : RunOf<Element, gemm_sm90::NMajorB>(p, workspace, stream);
 }
 
 }  // namespace jaxflux::rs_gemm_sm90
 
-// Defines the entry points of one element type and epilogue sub-tile (listed in
-// rs_gemm_sm90_dispatch.cu).
-#define JAXFLUX_RS_GEMM_INSTANCE(NAME, ELEMENT, EPI_TILE)                                    \
+// Defines the entry points of one element type (listed in rs_gemm_sm90_dispatch.cu).
+#define JAXFLUX_RS_GEMM_INSTANCE(NAME, ELEMENT)                                              \
   namespace jaxflux {                                                                        \
   size_t RsGemmWorkspaceBytes_##NAME(const RsGemmProblem& problem) {                         \
-    return rs_gemm_sm90::WorkspaceBytes<ELEMENT, EPI_TILE>(problem);                         \
+    return rs_gemm_sm90::WorkspaceBytes<ELEMENT>(problem);                                   \
   }                                                                                          \
   const char* RsGemmRun_##NAME(const RsGemmProblem& problem, void* workspace,                \
                                cudaStream_t stream) {                                        \
-    return rs_gemm_sm90::Run<ELEMENT, EPI_TILE>(problem, workspace, stream);                 \
+    return rs_gemm_sm90::Run<ELEMENT>(problem, workspace, stream);                           \
   }                                                                                          \
   }  // namespace jaxflux

@@ -16,10 +16,14 @@ namespace jaxflux {
 
 struct RsGemmProblem {
   GemmProblem gemm;  // a = this device's rows of x, b = w, d = the output z (batched: L mode)
-  const void* c;     // the peer's partial of the same rows, laid out like d
+  // The peer's partial of the same rows, laid out like d; nullptr: no source, D = A·B (the
+  // GEMM-only probe in gemm.cc, which measures what reading C costs the same kernel).
+  const void* c;
   // One source (tp = 1; source_ranks[0] = the peer), rows_per_shard = rows per batch entry,
-  // the push's chunks in chunk_ends, epilogue_load_only = 1; op = kMatmulReduceScatter.
+  // the push's chunks in chunk_ends, epilogue_load_only = 1; op = kMatmulReduceScatter. The
+  // chunks also set the tile order: more than one sweeps the rows along N, in landing order.
   AgGemmWait wait;
+  int32_t wait_for_flags = 1;  // 0: no waits (the GEMM-only probe; wait's flags unused)
 };
 
 size_t RsGemmSm90WorkspaceBytes(GemmDtype dtype, const RsGemmProblem& problem);
