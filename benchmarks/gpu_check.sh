@@ -37,6 +37,10 @@
 #   swizzle   the tile-order swizzle of GEMM+RS's own-rows kernel and of CUTLASS's scheduler:
 #             own-rows kernel times per swizzle (timeline), then the fused op per rs:plain
 #             pair in $SWIZZLE_PAIRS (default "1:1 4:1 4:4") against cuBLAS (~5 min)
+#   ncu       Nsight Compute counters of the single-GPU GEMMs (cuBLAS, CUTLASS's scheduler, the
+#             own-rows kernel, AG+GEMM's GEMM-only mode): more cycles, or a lower clock? HBM bytes
+#             and L2 hit rate per kernel, with the swizzles on and off (benchmarks/ncu_gemms.py;
+#             ~5 min, not yet run)
 #   tables    the full tables of issues 4 and 5: every shape of one op ($TABLE_OP, default
 #             ag_gemm) at the M list $TABLE_M (default 1024,2048,4096,8192,16384) with every
 #             variant the issues compare (gemm, gemm_only, comm, xla, xla_windowed, pallas for
@@ -49,7 +53,7 @@
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
-STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect ownrows power swizzle tables timelines}
+STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect ownrows power swizzle ncu tables timelines}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLUX_CUDA=ON
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
@@ -247,6 +251,35 @@ if stage swizzle; then
       --warmup 3 --out "$OUTDIR/gemm_rs_swizzle_${pair/:/_}.json" 2>&1 | grep -A8 "^name" \
       | sed "s/^/swizzle=$pair /" || status=1
   done
+fi
+
+if stage ncu; then
+  # Nsight Compute on the single-GPU GEMMs (benchmarks/ncu_gemms.py): cycles, implied clock, HBM
+  # bytes, L2 hit rate of cuBLAS, CUTLASS's scheduler, the own-rows kernel (GEMM+RS, per-device
+  # own rows of llama70b-out M=4096 and gpt3-out M=8192) and the AG+GEMM kernel's GEMM-only mode
+  # (llama70b-fc1 M=8192 per device). Clocks are left alone (--clock-control none).
+  ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  if [[ -z $ncu_bin ]]; then
+    echo "ncu not found"; status=1
+  else
+    metrics=$(python3 benchmarks/ncu_gemms.py metrics)
+    # variant[:VAR=value]: the swizzles' effect on HBM bytes (the session 9 change's mechanism)
+    for spec in "rs 2048 4096 8192" "rs 4096 6144 12288" "ag 8192 8192 14336"; do
+      read -r kind m k n <<< "$spec"
+      variants="cublas cutlass cutlass:JAXFLUX_GEMM_PLAIN_SWIZZLE=4 own_rows own_rows_c
+        own_rows_c_chunked own_rows_c_chunked:JAXFLUX_GEMM_RS_SWIZZLE=1"
+      [[ $kind == ag ]] && variants="cublas cutlass ag_gemm_only"
+      for entry in $variants; do
+        v=${entry%%:*}; setting=$([[ $entry == *:* ]] && echo "${entry#*:}")
+        tag=$v${setting:+_${setting##*_}}  # e.g. own_rows_c_chunked_SWIZZLE=1
+        env $setting timeout 150 "$ncu_bin" --clock-control none --csv --page raw \
+          --kernel-name regex:'cutlass|gemm|nvjet|xmma' --metrics "$metrics" \
+          python3 benchmarks/ncu_gemms.py run "$v" "$m" "$k" "$n" \
+          > "$OUTDIR/ncu_${m}x${k}x${n}_$tag.csv" 2>&1 || status=1
+      done
+    done
+    python3 benchmarks/ncu_gemms.py summarize "$OUTDIR"/ncu_*.csv || status=1
+  fi
 fi
 
 if stage tables; then

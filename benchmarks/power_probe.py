@@ -7,8 +7,10 @@ copy engines and NVLink draw too) or the GEMM itself being slower at the same cl
 
 Each variant runs for --seconds of queued calls (the benchmark's variants and inputs,
 `jaxflux.bench`), while `nvidia-smi` samples every GPU every 20 ms. Per variant and GPU it prints
-the ms per call (wall clock over the phase), the median SM clock, the mean power and the clock
-event (throttle) reasons seen, from the samples inside the phase less its first 0.3 s.
+the ms per call (wall clock over the phase), the median SM clock, the mean power, the energy
+per call (mean power x time per call), the SM cycles per call (time x median clock) and the
+clock event (throttle) reasons seen, from the
+samples inside the phase less its first 0.3 s.
 """
 from __future__ import annotations
 
@@ -58,6 +60,20 @@ def summarize(samples: list[dict], phases: dict[str, tuple[float, float]]) -> di
                    "reasons": sorted({s["reasons"] for s in ss})}
         for gpu, ss in sorted(per_gpu.items())}
   return out
+
+
+def energy_per_call(phases: dict, ms: dict[str, float]) -> dict[str, dict[str, float]]:
+  """Per phase and GPU: mJ per call, the mean power times the time per call. At the power
+  cap, the same math done with less energy is done faster."""
+  return {name: {gpu: round(s["power_w_mean"] * ms[name], 3) for gpu, s in per_gpu.items()}
+          for name, per_gpu in phases.items()}
+
+
+def cycles_per_call(phases: dict, ms: dict[str, float]) -> dict[str, dict[str, float]]:
+  """Per phase and GPU: millions of SM cycles per call, the time per call times the median
+  clock. Two variants that differ in time but not in cycles differ only by their clocks."""
+  return {name: {gpu: round(s["sm_mhz_median"] * ms[name] / 1e3, 4) for gpu, s in per_gpu.items()}
+          for name, per_gpu in phases.items()}
 
 
 def run_phases(op: str, shape: str, m: int, variants: list[str], seconds: float):
@@ -137,10 +153,14 @@ def main(argv=None) -> None:
     raise SystemExit("nvidia-smi gave no samples:\n" + text[:2000])
   result = {"op": args.op, "shape": args.shape, "M": args.M, "ms_per_call": ms,
             "phases": summarize(samples, phases)}
+  result["mj_per_call"] = energy_per_call(result["phases"], ms)
+  result["mcycles_per_call"] = cycles_per_call(result["phases"], ms)
   for name, per_gpu in result["phases"].items():
     for gpu, s in per_gpu.items():
       print(f"{args.op} {args.shape} M={args.M} {name:10s} GPU{gpu}: {ms[name]:.3f} ms/call, "
-            f"SM {s['sm_mhz_median']:.0f} MHz, {s['power_w_mean']:.0f} W, reasons "
+            f"SM {s['sm_mhz_median']:.0f} MHz, {s['power_w_mean']:.0f} W, "
+            f"{result['mj_per_call'][name][gpu]:.0f} mJ/call, "
+            f"{result['mcycles_per_call'][name][gpu]:.3f} Mcycles/call, reasons "
             f"{','.join(s['reasons'])} ({s['samples']} samples)")
   if args.out:
     with open(args.out, "w") as f:

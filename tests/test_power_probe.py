@@ -49,3 +49,18 @@ def test_sampler_output_past_a_pipe_buffer_is_kept():
                                     lambda: time.sleep(2.0) or "done")
   assert result == "done"
   assert text.count("\n") >= 4000 and "late sample" in text
+
+
+def test_energy_per_call_is_mean_power_times_time_per_call():
+  probe = load_script(SCRIPT, "power_probe")
+  phases = {"gemm": {"0": {"power_w_mean": 620.0}, "1": {"power_w_mean": 610.0}},
+            "jaxflux": {"0": {"power_w_mean": 615.0}}}
+  energy = probe.energy_per_call(phases, {"gemm": 2.0, "jaxflux": 2.2})
+  assert energy == {"gemm": {"0": 1240.0, "1": 1220.0}, "jaxflux": {"0": 1353.0}}
+
+
+def test_cycles_per_call_is_time_per_call_times_median_clock():
+  probe = load_script(SCRIPT, "power_probe")
+  phases = {"gemm": {"0": {"sm_mhz_median": 1500.0}}, "jaxflux": {"0": {"sm_mhz_median": 1400.0}}}
+  cycles = probe.cycles_per_call(phases, {"gemm": 2.8, "jaxflux": 3.0})
+  assert cycles == {"gemm": {"0": 4.2}, "jaxflux": {"0": 4.2}}

@@ -1,0 +1,147 @@
+"""Hardware counters of the single-GPU GEMMs behind the fused ops, under Nsight Compute (GPU
+machine): is a kernel slower than cuBLAS because it takes more cycles, or because it runs at a
+lower clock (the GPUs sit at their power cap, benchmarks/README.md, session 9), and how many
+bytes does each move through HBM?
+
+    ncu --clock-control none --csv --page raw --kernel-name regex:'cutlass|gemm|nvjet|xmma' \\
+        --metrics $(python benchmarks/ncu_gemms.py metrics) \\
+        python benchmarks/ncu_gemms.py run VARIANT M K N [--calls 3] > OUT.csv 2>&1
+    python benchmarks/ncu_gemms.py summarize OUT.csv [OUT2.csv ...]
+
+`run` makes random bf16 operands on one GPU (no communication: a kernel that waits on a peer
+can't be replayed) and calls VARIANT --calls times, each call one GEMM kernel:
+  cublas              XLA's dot (the benchmark's `gemm` column; autotuned at compile)
+  cutlass             jaxflux's GEMM with CUTLASS's scheduler (the GEMM-only op, GEMM+RS's peer rows)
+  ag_gemm_only        the AG+GEMM kernel with its waits off (tile_order="all_gather_matmul")
+  own_rows[_c][_chunked]  GEMM+RS's own-rows kernel (jaxflux.ops.gemm.gemm_own_rows): with a
+                      source C, and/or the tiles swept along N as for a chunked push
+`summarize` prints, per CSV (one variant each), the last profiled kernel (the last call; the ones
+before include XLA's autotuning candidates): time, SM cycles, the clock they imply, HBM bytes
+read and written, L2 hit rate, SM throughput. Cycles compare kernels independently of the clock.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import sys
+
+METRICS = ("gpu__time_duration.sum", "sm__cycles_elapsed.max", "dram__bytes_read.sum",
+           "dram__bytes_write.sum", "lts__t_sector_hit_rate.pct",
+           "sm__throughput.avg.pct_of_peak_sustained_elapsed")
+VARIANTS = ("cublas", "cutlass", "ag_gemm_only", "own_rows", "own_rows_c", "own_rows_chunked",
+            "own_rows_c_chunked")
+
+
+def make_call(variant: str):
+  """The jitted single-device function of `variant`: (x, w, c) -> x @ w [+ c]."""
+  import jax
+
+  from jaxflux.ops import gemm as gemm_module
+  if variant == "cublas":
+    return jax.jit(lambda x, w, c: x @ w)
+  if variant == "cutlass":
+    return jax.jit(lambda x, w, c: gemm_module.gemm(x, w))
+  if variant == "ag_gemm_only":
+    return jax.jit(lambda x, w, c: gemm_module.gemm(x, w, tile_order="all_gather_matmul"))
+  if variant.startswith("own_rows") and variant in VARIANTS:
+    with_c, chunked = "_c" in variant, variant.endswith("chunked")
+    return jax.jit(lambda x, w, c: gemm_module.gemm_own_rows(x, w, c if with_c else None,
+                                                             chunked=chunked))
+  raise SystemExit(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
+
+
+def run(variant: str, m: int, k: int, n: int, calls: int) -> None:
+  import jax
+  import jax.numpy as jnp
+
+  device = jax.devices()[0]
+  keys = jax.random.split(jax.random.key(0), 3)
+  x, w, c = (jax.device_put(jax.random.normal(key, shape, jnp.bfloat16), device)
+             for key, shape in zip(keys, ((m, k), (k, n), (m, n))))
+  call = make_call(variant)
+  for _ in range(calls):
+    call(x, w, c).block_until_ready()
+  print(f"ncu_gemms: {variant} {m}x{k}x{n}: {calls} calls on {device}")
+
+
+def parse_report(text: str) -> tuple[dict[str, str], list[dict[str, str]]]:
+  """ncu --csv --page raw output -> (the units row: metric -> unit, one dict per profiled
+  kernel). Lines before the header and lines not in CSV form are skipped; the row after the
+  header holds the units."""
+  lines = text.splitlines()
+  start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+  if start is None:
+    return {}, []
+  # After the header only the report's own rows: the program's output and the tool's lines
+  # ('==PROF==') may be mixed into the same file.
+  table = [line for line in lines[start:] if line.startswith('"')]
+  rows = list(csv.DictReader(io.StringIO("\n".join(table))))
+  if rows and rows[0].get("ID", "") == "":
+    return rows[0], rows[1:]
+  return {}, rows
+
+
+def _number(value: str) -> float:
+  return float(value.replace(",", "")) if value not in ("", "n/a") else float("nan")
+
+
+def summarize_kernel(row: dict[str, str], units: dict[str, str] | None = None) -> dict:
+  """One kernel's counters in fixed units: time in us, clock in MHz, HBM traffic in MB."""
+  units = units or {}
+  time_ns = _number(row["gpu__time_duration.sum"])
+  if units.get("gpu__time_duration.sum") == "usecond":
+    time_ns *= 1e3
+  elif units.get("gpu__time_duration.sum") == "msecond":
+    time_ns *= 1e6
+  cycles = _number(row["sm__cycles_elapsed.max"])
+  scale = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}
+  read = _number(row["dram__bytes_read.sum"]) * scale.get(
+      units.get("dram__bytes_read.sum", "byte"), 1e-6)
+  write = _number(row["dram__bytes_write.sum"]) * scale.get(
+      units.get("dram__bytes_write.sum", "byte"), 1e-6)
+  return {"kernel": row.get("Kernel Name", "")[:60], "time_us": time_ns / 1e3, "cycles": cycles,
+          "clock_mhz": cycles / time_ns * 1e3, "hbm_read_mb": read, "hbm_write_mb": write,
+          "l2_hit_pct": _number(row["lts__t_sector_hit_rate.pct"]),
+          "sm_throughput_pct": _number(row["sm__throughput.avg.pct_of_peak_sustained_elapsed"])}
+
+
+def summarize(paths: list[str]) -> None:
+  print(f"{'report':40s} {'time us':>9s} {'cycles':>10s} {'MHz':>6s} {'HBM rd MB':>10s} "
+        f"{'HBM wr MB':>10s} {'L2 hit%':>8s} {'SM %':>6s}  kernel")
+  for path in paths:
+    with open(path) as f:
+      units, rows = parse_report(f.read())
+    name = path.rsplit("/", 1)[-1]
+    if not rows:
+      print(f"{name:40s} no kernels profiled")
+      continue
+    s = summarize_kernel(rows[-1], units)
+    print(f"{name:40s} {s['time_us']:9.1f} {s['cycles']:10.0f} {s['clock_mhz']:6.0f} "
+          f"{s['hbm_read_mb']:10.1f} {s['hbm_write_mb']:10.1f} {s['l2_hit_pct']:8.1f} "
+          f"{s['sm_throughput_pct']:6.1f}  {s['kernel']}")
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  sub = p.add_subparsers(dest="command", required=True)
+  r = sub.add_parser("run", help="call one variant's GEMM (under ncu)")
+  r.add_argument("variant", choices=VARIANTS)
+  r.add_argument("m", type=int)
+  r.add_argument("k", type=int)
+  r.add_argument("n", type=int)
+  r.add_argument("--calls", type=int, default=3)
+  s = sub.add_parser("summarize", help="one line per ncu CSV report")
+  s.add_argument("reports", nargs="+")
+  sub.add_parser("metrics", help="print the metrics to pass to ncu --metrics")
+  args = p.parse_args(argv)
+  if args.command == "run":
+    run(args.variant, args.m, args.k, args.n, args.calls)
+  elif args.command == "summarize":
+    summarize(args.reports)
+  else:
+    sys.stdout.write(",".join(METRICS) + "\n")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,58 @@
+"""benchmarks/ncu_gemms.py's reading of Nsight Compute CSV reports, on a synthetic report in
+ncu's --csv --page raw layout (profiling needs a GPU and ncu), and its cuBLAS variant on CPU."""
+import pathlib
+
+import pytest
+from conftest import load_script
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "ncu_gemms.py"
+
+HEADER = ('"ID","Process ID","Kernel Name","gpu__time_duration.sum","sm__cycles_elapsed.max",'
+          '"dram__bytes_read.sum","dram__bytes_write.sum","lts__t_sector_hit_rate.pct",'
+          '"sm__throughput.avg.pct_of_peak_sustained_elapsed"')
+
+
+def _report(units: str, *rows: str) -> str:
+  return "\n".join(["==PROF== Connected to process 123", HEADER, units, *rows,
+                    "==PROF== Disconnected from process 123"])
+
+
+def test_last_kernel_is_summarized_in_fixed_units():
+  ncu = load_script(SCRIPT, "ncu_gemms")
+  text = _report('"","","","usecond","cycle","Mbyte","Kbyte","%","%"',
+                 '"0","123","autotune_candidate","50.00","75,000","10.0","512","40.0","20.0"',
+                 '"1","123","cutlass::device_kernel<X>","200.00","360,000","1,234.5","2,048",'
+                 '"71.5","88.25"')
+  units, rows = ncu.parse_report(text)
+  assert units["gpu__time_duration.sum"] == "usecond" and len(rows) == 2
+  s = ncu.summarize_kernel(rows[-1], units)
+  assert s["kernel"].startswith("cutlass::device_kernel")
+  assert s["time_us"] == pytest.approx(200.0)
+  assert s["cycles"] == 360_000 and s["clock_mhz"] == pytest.approx(1800.0)
+  assert s["hbm_read_mb"] == pytest.approx(1234.5) and s["hbm_write_mb"] == pytest.approx(2.048)
+  assert s["l2_hit_pct"] == 71.5 and s["sm_throughput_pct"] == 88.25
+
+
+def test_nanosecond_and_byte_units_and_an_empty_report():
+  ncu = load_script(SCRIPT, "ncu_gemms")
+  units, rows = ncu.parse_report(_report('"","","","nsecond","cycle","byte","byte","%","%"',
+                                         '"0","1","k","1000","1500","3000000","0","1","2"'))
+  s = ncu.summarize_kernel(rows[0], units)
+  assert s["time_us"] == pytest.approx(1.0) and s["clock_mhz"] == pytest.approx(1500.0)
+  assert s["hbm_read_mb"] == pytest.approx(3.0)
+  assert ncu.parse_report("==PROF== nothing profiled") == ({}, [])
+
+
+def test_cublas_variant_runs_on_cpu(capsys):
+  ncu = load_script(SCRIPT, "ncu_gemms")
+  ncu.run("cublas", 16, 32, 8, calls=2)
+  assert "cublas 16x32x8: 2 calls" in capsys.readouterr().out
+
+
+def test_program_output_around_the_report_is_ignored():
+  ncu = load_script(SCRIPT, "ncu_gemms")
+  text = ("W1130 some jax warning\nncu_gemms: cutlass 8x8x8: 3 calls\n"
+          + _report('"","","","usecond","cycle","Mbyte","Mbyte","%","%"',
+                    '"0","1","k","2.0","3000","1","1","1","1"') + "\ntrailing program line\n")
+  units, rows = ncu.parse_report(text)
+  assert len(rows) == 1 and ncu.summarize_kernel(rows[0], units)["clock_mhz"] == 1500.0
