@@ -40,7 +40,7 @@ typename Config<Element, LayoutB>::Gemm::Arguments MakeArguments(const RsGemmPro
   // still needs a valid tensor: D's).
   args.epilogue.ptr_C = static_cast<const Element*>(p.c != nullptr ? p.c : p.gemm.d);
   args.epilogue.thread.beta = p.c != nullptr ? 1.0f : 0.0f;
-  auto& s = args.scheduler;  // CUTLASS's tile order; every tile waits on the same flag
+  auto& s = args.scheduler;  // CUTLASS's raster heuristic when the partial lands whole
   if (p.wait.chunk_ends[0] < p.wait.rows_per_shard) {
     // The peer's partial lands in row chunks, in order: sweep the rows in that order too.
     using Options = typename C::Kernel::TileScheduler::RasterOrderOptions;
