@@ -262,9 +262,12 @@ if stage ncu; then
   if [[ -z $ncu_bin ]]; then
     echo "ncu not found"; status=1
   else
+    "$ncu_bin" --version | tail -1
     metrics=$(python3 benchmarks/ncu_gemms.py metrics)
-    # variant[:VAR=value]: the swizzles' effect on HBM bytes (the session 9 change's mechanism)
-    for spec in "rs 2048 4096 8192" "rs 4096 6144 12288" "ag 8192 8192 14336"; do
+    # variant[:VAR=value]: the swizzles' effect on HBM bytes (the session 9 change's mechanism).
+    # NCU_SPECS narrows the shapes (kind M K N, ';'-separated) to fit one call.
+    IFS=';' read -ra specs <<< "${NCU_SPECS:-rs 2048 4096 8192;rs 4096 6144 12288;ag 8192 8192 14336}"
+    for spec in "${specs[@]}"; do
       read -r kind m k n <<< "$spec"
       variants="cublas cutlass cutlass:JAXFLUX_GEMM_PLAIN_SWIZZLE=4 own_rows own_rows_c
         own_rows_c_chunked own_rows_c_chunked:JAXFLUX_GEMM_RS_SWIZZLE=1"
@@ -272,10 +275,14 @@ if stage ncu; then
       for entry in $variants; do
         v=${entry%%:*}; setting=$([[ $entry == *:* ]] && echo "${entry#*:}")
         tag=$v${setting:+_${setting##*_}}  # e.g. own_rows_c_chunked_SWIZZLE=1
-        env $setting timeout 150 "$ncu_bin" --clock-control none --csv --page raw \
-          --kernel-name regex:'cutlass|gemm|nvjet|xmma' --metrics "$metrics" \
-          python3 benchmarks/ncu_gemms.py run "$v" "$m" "$k" "$n" \
-          > "$OUTDIR/ncu_${m}x${k}x${n}_$tag.csv" 2>&1 || status=1
+        report="$OUTDIR/ncu_${m}x${k}x${n}_$tag.csv"
+        env $setting timeout 100 "$ncu_bin" --clock-control none --csv --page raw \
+          --kernel-name-base demangled --kernel-name regex:'cutlass|gemm|nvjet|xmma' \
+          --metrics "$metrics" \
+          python3 benchmarks/ncu_gemms.py run "$v" "$m" "$k" "$n" --calls 2 > "$report" 2>&1 \
+          || status=1
+        # No report table: show why (an ncu error, a timeout) without a second call.
+        grep -q '^"ID"' "$report" || { echo "no report in $report:"; tail -5 "$report"; }
       done
     done
     python3 benchmarks/ncu_gemms.py summarize "$OUTDIR"/ncu_*.csv || status=1

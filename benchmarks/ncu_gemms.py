@@ -3,7 +3,8 @@ machine): is a kernel slower than cuBLAS because it takes more cycles, or becaus
 lower clock (the GPUs sit at their power cap, benchmarks/README.md, session 9), and how many
 bytes does each move through HBM?
 
-    ncu --clock-control none --csv --page raw --kernel-name regex:'cutlass|gemm|nvjet|xmma' \\
+    ncu --clock-control none --csv --page raw --kernel-name-base demangled \\
+        --kernel-name regex:'cutlass|gemm|nvjet|xmma' \\
         --metrics $(python benchmarks/ncu_gemms.py metrics) \\
         python benchmarks/ncu_gemms.py run VARIANT M K N [--calls 3] > OUT.csv 2>&1
     python benchmarks/ncu_gemms.py summarize OUT.csv [OUT2.csv ...]
@@ -107,17 +108,17 @@ def summarize_kernel(row: dict[str, str], units: dict[str, str] | None = None) -
 
 
 def summarize(paths: list[str]) -> None:
-  print(f"{'report':40s} {'time us':>9s} {'cycles':>10s} {'MHz':>6s} {'HBM rd MB':>10s} "
+  print(f"{'report':52s} {'time us':>9s} {'cycles':>10s} {'MHz':>6s} {'HBM rd MB':>10s} "
         f"{'HBM wr MB':>10s} {'L2 hit%':>8s} {'SM %':>6s}  kernel")
   for path in paths:
     with open(path) as f:
       units, rows = parse_report(f.read())
     name = path.rsplit("/", 1)[-1]
     if not rows:
-      print(f"{name:40s} no kernels profiled")
+      print(f"{name:52s} no kernels profiled")
       continue
     s = summarize_kernel(rows[-1], units)
-    print(f"{name:40s} {s['time_us']:9.1f} {s['cycles']:10.0f} {s['clock_mhz']:6.0f} "
+    print(f"{name:52s} {s['time_us']:9.1f} {s['cycles']:10.0f} {s['clock_mhz']:6.0f} "
           f"{s['hbm_read_mb']:10.1f} {s['hbm_write_mb']:10.1f} {s['l2_hit_pct']:8.1f} "
           f"{s['sm_throughput_pct']:6.1f}  {s['kernel']}")
 
