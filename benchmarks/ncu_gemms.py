@@ -16,6 +16,8 @@ can't be replayed) and calls VARIANT --calls times, each call one GEMM kernel:
   ag_gemm_only        the AG+GEMM kernel with its waits off (tile_order="all_gather_matmul")
   own_rows[_c][_chunked]  GEMM+RS's own-rows kernel (jaxflux.ops.gemm.gemm_own_rows): with a
                       source C, and/or the tiles swept along N as for a chunked push
+  own_rows_c_chunked_cutlass_scheduler  the same under CUTLASS's scheduler: what the fused
+                      ops' scheduler costs apart from the source-C epilogue
 `summarize` prints, per CSV (one variant each), the last profiled kernel (the last call; the ones
 before include XLA's autotuning candidates): time, SM cycles, the clock they imply, HBM bytes
 read and written, L2 hit rate, SM throughput. Cycles compare kernels independently of the clock.
@@ -31,7 +33,7 @@ METRICS = ("gpu__time_duration.sum", "sm__cycles_elapsed.max", "dram__bytes_read
            "dram__bytes_write.sum", "lts__t_sector_hit_rate.pct",
            "sm__throughput.avg.pct_of_peak_sustained_elapsed")
 VARIANTS = ("cublas", "cutlass", "ag_gemm_only", "own_rows", "own_rows_c", "own_rows_chunked",
-            "own_rows_c_chunked")
+            "own_rows_c_chunked", "own_rows_c_chunked_cutlass_scheduler")
 
 
 def make_call(variant: str):
@@ -46,9 +48,10 @@ def make_call(variant: str):
   if variant == "ag_gemm_only":
     return jax.jit(lambda x, w, c: gemm_module.gemm(x, w, tile_order="all_gather_matmul"))
   if variant.startswith("own_rows") and variant in VARIANTS:
-    with_c, chunked = "_c" in variant, variant.endswith("chunked")
-    return jax.jit(lambda x, w, c: gemm_module.gemm_own_rows(x, w, c if with_c else None,
-                                                             chunked=chunked))
+    with_c, chunked = "_c" in variant, "chunked" in variant
+    scheduler = "cutlass" if variant.endswith("cutlass_scheduler") else "fused"
+    return jax.jit(lambda x, w, c: gemm_module.gemm_own_rows(
+        x, w, c if with_c else None, chunked=chunked, scheduler=scheduler))
   raise SystemExit(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
 
 

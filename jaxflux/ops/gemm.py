@@ -74,7 +74,10 @@ def gemm(x, w, *, tile_order: str = "cutlass", config: str | None = None, owners
               owners=np.int64(owners))
 
 
-def gemm_own_rows(x, w, c=None, *, chunked: bool = False):
+OWN_ROWS_SCHEDULERS = ("fused", "cutlass")
+
+
+def gemm_own_rows(x, w, c=None, *, chunked: bool = False, scheduler: str = "fused"):
   """x [..., M, K] @ w [K, N] (+ c [..., M, N]) with the fused GEMM+ReduceScatter's own-rows
   kernel alone (tp = 2's epilogue reduction, communication off: no peer, no waits).
 
@@ -82,8 +85,12 @@ def gemm_own_rows(x, w, c=None, *, chunked: bool = False):
   the same kernel skips C (beta 0). Timing the two apart from the fused op says how much of the
   own-rows GEMM's extra time is the C read and how much the pushes running beside it.
   chunked: sweep the tiles along N, as the fused op does when the partial lands in row chunks.
+  scheduler: "fused" (the fused ops' tile scheduler, as in the fused op) or "cutlass" (the same
+  GEMM, tile order and epilogue under CUTLASS's own scheduler): what the scheduler itself costs.
   """
   op = "gemm_own_rows"
+  if scheduler not in OWN_ROWS_SCHEDULERS:
+    raise ValueError(f"{op}: scheduler must be one of {OWN_ROWS_SCHEDULERS}; got {scheduler!r}.")
   _, n = _check_operands(op, x, w)
   out_shape = x.shape[:-1] + (n,)
   if c is not None and (tuple(c.shape) != out_shape or c.dtype != x.dtype):
@@ -95,7 +102,8 @@ def gemm_own_rows(x, w, c=None, *, chunked: bool = False):
   _runtime.register_targets()
   call = jax.ffi.ffi_call("jaxflux_gemm_own_rows", jax.ShapeDtypeStruct(out_shape, x.dtype))
   source = c if c is not None else jax.numpy.zeros((8,), x.dtype)  # not read without c
-  return call(x, w, source, with_c=np.int64(c is not None), chunked=np.int64(chunked))
+  return call(x, w, source, with_c=np.int64(c is not None), chunked=np.int64(chunked),
+              cutlass_scheduler=np.int64(scheduler == "cutlass"))
 
 
 __all__ = ["gemm", "gemm_own_rows"]
