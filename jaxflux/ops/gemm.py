@@ -45,6 +45,16 @@ def _check_operands(op: str, x, w) -> tuple[int, int]:
   return k, n
 
 
+def _kernel_call(op: str, target: str, out: jax.ShapeDtypeStruct, *operands, **attrs):
+  """The FFI call of `target` once the platform can run it (else FusedKernelUnavailableError
+  naming `op`); attrs are int64 attributes."""
+  reason = _common.platform_reason()
+  if reason is not None:
+    raise _common.FusedKernelUnavailableError(f"{op}: {reason}")
+  _runtime.register_targets()
+  return jax.ffi.ffi_call(target, out)(*operands, **{k: np.int64(v) for k, v in attrs.items()})
+
+
 def gemm(x, w, *, tile_order: str = "cutlass", config: str | None = None, owners: int = 1):
   """x [..., M, K] @ w [K, N] -> [..., M, N] in x's dtype (bf16/fp16, fp32 accumulation).
 
@@ -64,14 +74,8 @@ def gemm(x, w, *, tile_order: str = "cutlass", config: str | None = None, owners
   rows = x.shape[-2]
   if tile_order == "matmul_reduce_scatter" and (owners < 1 or rows % owners):
     raise ValueError(f"{op}: owners={owners} must be >= 1 and divide M={rows} (x.shape[-2]).")
-  reason = _common.platform_reason()
-  if reason is not None:
-    raise _common.FusedKernelUnavailableError(f"{op}: {reason}")
-  _runtime.register_targets()
-  out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), x.dtype)
-  call = jax.ffi.ffi_call("jaxflux_gemm", out)
-  return call(x, w, tile_order=np.int64(TILE_ORDERS[tile_order]), config=np.int64(config_id),
-              owners=np.int64(owners))
+  return _kernel_call(op, "jaxflux_gemm", jax.ShapeDtypeStruct(x.shape[:-1] + (n,), x.dtype),
+                      x, w, tile_order=TILE_ORDERS[tile_order], config=config_id, owners=owners)
 
 
 OWN_ROWS_SCHEDULERS = ("fused", "cutlass")
@@ -96,14 +100,10 @@ def gemm_own_rows(x, w, c=None, *, chunked: bool = False, scheduler: str = "fuse
   if c is not None and (tuple(c.shape) != out_shape or c.dtype != x.dtype):
     raise ValueError(f"{op}: c must have the output's shape {out_shape} and dtype {x.dtype}; "
                      f"got {tuple(c.shape)} {c.dtype}.")
-  reason = _common.platform_reason()
-  if reason is not None:
-    raise _common.FusedKernelUnavailableError(f"{op}: {reason}")
-  _runtime.register_targets()
-  call = jax.ffi.ffi_call("jaxflux_gemm_own_rows", jax.ShapeDtypeStruct(out_shape, x.dtype))
   source = c if c is not None else jax.numpy.zeros((8,), x.dtype)  # not read without c
-  return call(x, w, source, with_c=np.int64(c is not None), chunked=np.int64(chunked),
-              cutlass_scheduler=np.int64(scheduler == "cutlass"))
+  return _kernel_call(op, "jaxflux_gemm_own_rows", jax.ShapeDtypeStruct(out_shape, x.dtype),
+                      x, w, source, with_c=c is not None, chunked=chunked,
+                      cutlass_scheduler=scheduler == "cutlass")
 
 
 __all__ = ["gemm", "gemm_own_rows"]

@@ -83,6 +83,19 @@ ffi::Error CheckLaunch(const char* failure) {
   return ffi::Error::Success();
 }
 
+// `bytes` of CUTLASS workspace from XLA's scratch allocator (none for 0) into *workspace.
+ffi::Error AllocateWorkspace(ffi::ScratchAllocator& scratch, size_t bytes, void** workspace) {
+  *workspace = nullptr;
+  if (bytes == 0) return ffi::Error::Success();
+  auto allocation = scratch.Allocate(bytes, 256);
+  if (!allocation.has_value()) {
+    return ffi::Error::Internal("jaxflux gemm: could not allocate " + std::to_string(bytes) +
+                               " bytes of scratch");
+  }
+  *workspace = *allocation;
+  return ffi::Error::Success();
+}
+
 ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
                        ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d,
                        int64_t tile_order, int64_t config, int64_t owners) {
@@ -126,14 +139,7 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
                            ? AgGemmSm90WorkspaceBytes(which, fused)
                            : GemmSm90WorkspaceBytes(which, problem);
   void* workspace = nullptr;
-  if (bytes > 0) {
-    auto allocation = scratch.Allocate(bytes, 256);
-    if (!allocation.has_value()) {
-      return ffi::Error::Internal("jaxflux gemm: could not allocate " +
-                                           std::to_string(bytes) + " bytes of scratch");
-    }
-    workspace = *allocation;
-  }
+  if (ffi::Error e = AllocateWorkspace(scratch, bytes, &workspace); e.failure()) return e;
   const char* failure = nullptr;
   if (tile_order == kTileOrderAllGather) {
     failure = AgGemmSm90(which, fused, workspace, stream);
@@ -189,13 +195,9 @@ ffi::Error GemmOwnRowsExecute(cudaStream_t stream, int32_t device, ffi::ScratchA
   }
   own.wait.epilogue_load_only = 1;
   void* workspace = nullptr;
-  if (const size_t bytes = RsGemmSm90WorkspaceBytes(which, own); bytes > 0) {
-    auto allocation = scratch.Allocate(bytes, 256);
-    if (!allocation.has_value()) {
-      return ffi::Error::Internal("jaxflux gemm own rows: could not allocate " +
-                                  std::to_string(bytes) + " bytes of scratch");
-    }
-    workspace = *allocation;
+  if (ffi::Error e = AllocateWorkspace(scratch, RsGemmSm90WorkspaceBytes(which, own), &workspace);
+      e.failure()) {
+    return e;
   }
   return CheckLaunch(RsGemmSm90(which, own, workspace, stream));
 }
