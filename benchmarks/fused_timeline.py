@@ -10,7 +10,9 @@ e.g. JAXFLUX_AG_GEMM_LOCAL=copy, select variants); for both, `gemm_only`: the op
 on the same per-device shape with communication off, as the benchmark's gemm_only column;
 for gemm_rs, `own_rows`, `own_rows_c`, `own_rows_chunked`, `own_rows_c_chunked`: the epilogue
 mode's own-rows kernel alone, without or with its source C, in CUTLASS's tile order or swept
-along N as for a partial pushed in chunks (what the C read costs apart from the pushes).
+along N as for a partial pushed in chunks (what the C read costs apart from the pushes);
+`own_rows_c_chunked_cutlass_scheduler`: the last under CUTLASS's own scheduler (what the fused
+ops' scheduler costs).
 Prints `GPU  stream  start_us  duration_us  name` rows (start from the trace's first GPU event).
 It is how GEMM+RS's epilogue stall was found: the peer's push (MemcpyP2P) ran 19-24x slower
 while the own-rows GEMM spun on its flag (benchmarks/logs/gemm_rs_timeline_hostpoll_session5_*.log).
@@ -54,7 +56,8 @@ def gpu_events(trace_dir: pathlib.Path) -> list[tuple[str, str, float, float, st
 
 # gemm_rs's own-rows kernel (the epilogue reduction's GEMM) alone, communication off: without
 # and with its source C, in CUTLASS's tile order or swept along N as for chunked pushes.
-OWN_ROWS_MODES = ("own_rows", "own_rows_c", "own_rows_chunked", "own_rows_c_chunked")
+OWN_ROWS_MODES = ("own_rows", "own_rows_c", "own_rows_chunked", "own_rows_c_chunked",
+                  "own_rows_c_chunked_cutlass_scheduler")
 
 
 def gemm_summary(events) -> list[tuple[str, int, float]]:
@@ -92,7 +95,9 @@ def fused_call(op: str, mode: str, mesh: Mesh):
     def own_rows(a, b):  # this device's own rows (a slice: its copy is a kernel of its own)
       rows = a.shape[0] // tp
       c = jnp.full((rows, b.shape[1]), 0.5, a.dtype) if "_c" in mode else None
-      return gemm_module.gemm_own_rows(a[:rows], b, c, chunked=mode.endswith("chunked"))
+      scheduler = "cutlass" if mode.endswith("cutlass_scheduler") else "fused"
+      return gemm_module.gemm_own_rows(a[:rows], b, c, chunked="chunked" in mode,
+                                       scheduler=scheduler)
     return jax.jit(jax.shard_map(own_rows, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
                                  out_specs=P("tp", None)))
   if op == "gemm_rs":

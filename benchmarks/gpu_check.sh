@@ -210,7 +210,8 @@ if stage ownrows; then
   timeout 150 python3 -m pytest -q -rs -m gpu tests/test_gemm_gpu.py -k own_rows \
     -p no:cacheprovider -o faulthandler_timeout=90 > "$OUTDIR/own_rows_tests.log" 2>&1 || status=1
   tail -3 "$OUTDIR/own_rows_tests.log"
-  modes=gemm_only,own_rows,own_rows_chunked,own_rows_c,own_rows_c_chunked,epilogue
+  modes=gemm_only,own_rows,own_rows_chunked,own_rows_c,own_rows_c_chunked
+  modes=$modes,own_rows_c_chunked_cutlass_scheduler,epilogue
   for spec in "4096 8192 8192" "8192 8192 8192" "8192 12288 12288"; do
     read -r m k n <<< "$spec"
     timeout 90 python3 benchmarks/fused_timeline.py "$m" "$k" "$n" "$OUTDIR/trace_tmp" \
@@ -270,17 +271,23 @@ if stage ncu; then
     for spec in "${specs[@]}"; do
       read -r kind m k n <<< "$spec"
       variants="cublas cutlass cutlass:JAXFLUX_GEMM_PLAIN_SWIZZLE=4 own_rows own_rows_c
-        own_rows_c_chunked own_rows_c_chunked:JAXFLUX_GEMM_RS_SWIZZLE=1"
+        own_rows_c_chunked own_rows_c_chunked:JAXFLUX_GEMM_RS_SWIZZLE=1
+        own_rows_c_chunked_cutlass_scheduler"
       [[ $kind == ag ]] && variants="cublas cutlass ag_gemm_only"
       for entry in $variants; do
         v=${entry%%:*}; setting=$([[ $entry == *:* ]] && echo "${entry#*:}")
-        tag=$v${setting:+_${setting##*_}}  # e.g. own_rows_c_chunked_SWIZZLE=1
+        setting_tag=${setting##*_}
+        tag=$v${setting:+_${setting_tag/=/}}  # e.g. own_rows_c_chunked_SWIZZLE1 ('=' won't copy back)
         report="$OUTDIR/ncu_${m}x${k}x${n}_$tag.csv"
-        env $setting timeout 100 "$ncu_bin" --clock-control none --csv --page raw \
+        # No preallocation: ncu's replay saves and restores what the process allocated.
+        env $setting XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 100 "$ncu_bin" \
+          --clock-control none --profile-from-start off --csv --page raw \
           --kernel-name-base demangled --kernel-name regex:'cutlass|gemm|nvjet|xmma' \
           --metrics "$metrics" \
           python3 benchmarks/ncu_gemms.py run "$v" "$m" "$k" "$n" --calls 2 > "$report" 2>&1 \
           || status=1
+        # A run cut off by the bound can leave its Python process holding the GPU.
+        pkill -9 -f "ncu_gemms.py run" 2>/dev/null || true
         # No report table: show why (an ncu error, a timeout) without a second call.
         grep -q '^"ID"' "$report" || { echo "no report in $report:"; tail -5 "$report"; }
       done

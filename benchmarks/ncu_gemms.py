@@ -3,27 +3,33 @@ machine): is a kernel slower than cuBLAS because it takes more cycles, or becaus
 lower clock (the GPUs sit at their power cap, benchmarks/README.md, session 9), and how many
 bytes does each move through HBM?
 
-    ncu --clock-control none --csv --page raw --kernel-name-base demangled \\
+    XLA_PYTHON_CLIENT_PREALLOCATE=false \\
+    ncu --clock-control none --profile-from-start off --csv --page raw --kernel-name-base demangled \\
         --kernel-name regex:'cutlass|gemm|nvjet|xmma' \\
         --metrics $(python benchmarks/ncu_gemms.py metrics) \\
         python benchmarks/ncu_gemms.py run VARIANT M K N [--calls 3] > OUT.csv 2>&1
     python benchmarks/ncu_gemms.py summarize OUT.csv [OUT2.csv ...]
 
 `run` makes random bf16 operands on one GPU (no communication: a kernel that waits on a peer
-can't be replayed) and calls VARIANT --calls times, each call one GEMM kernel:
+can't be replayed), calls VARIANT once unprofiled (compilation, XLA's autotuning) and then
+--calls times between cuProfilerStart/Stop, each call one GEMM kernel. Without preallocation
+(XLA_PYTHON_CLIENT_PREALLOCATE=false) ncu's kernel replay saves and restores megabytes, not
+JAX's whole memory pool (with both, two of the first reports on the GPU ran past 100 s):
   cublas              XLA's dot (the benchmark's `gemm` column; autotuned at compile)
   cutlass             jaxflux's GEMM with CUTLASS's scheduler (the GEMM-only op, GEMM+RS's peer rows)
   ag_gemm_only        the AG+GEMM kernel with its waits off (tile_order="all_gather_matmul")
   own_rows[_c][_chunked]  GEMM+RS's own-rows kernel (jaxflux.ops.gemm.gemm_own_rows): with a
                       source C, and/or the tiles swept along N as for a chunked push
-`summarize` prints, per CSV (one variant each), the last profiled kernel (the last call; the ones
-before include XLA's autotuning candidates): time, SM cycles, the clock they imply, HBM bytes
+  own_rows_c_chunked_cutlass_scheduler  the same under CUTLASS's scheduler: what the fused
+                      ops' scheduler costs apart from the source-C epilogue
+`summarize` prints, per CSV (one variant each), the last profiled kernel (the last call): time, SM cycles, the clock they imply, HBM bytes
 read and written, L2 hit rate, SM throughput. Cycles compare kernels independently of the clock.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import ctypes
 import io
 import sys
 
@@ -31,7 +37,7 @@ METRICS = ("gpu__time_duration.sum", "sm__cycles_elapsed.max", "dram__bytes_read
            "dram__bytes_write.sum", "lts__t_sector_hit_rate.pct",
            "sm__throughput.avg.pct_of_peak_sustained_elapsed")
 VARIANTS = ("cublas", "cutlass", "ag_gemm_only", "own_rows", "own_rows_c", "own_rows_chunked",
-            "own_rows_c_chunked")
+            "own_rows_c_chunked", "own_rows_c_chunked_cutlass_scheduler")
 
 
 def make_call(variant: str):
@@ -46,9 +52,10 @@ def make_call(variant: str):
   if variant == "ag_gemm_only":
     return jax.jit(lambda x, w, c: gemm_module.gemm(x, w, tile_order="all_gather_matmul"))
   if variant.startswith("own_rows") and variant in VARIANTS:
-    with_c, chunked = "_c" in variant, variant.endswith("chunked")
-    return jax.jit(lambda x, w, c: gemm_module.gemm_own_rows(x, w, c if with_c else None,
-                                                             chunked=chunked))
+    with_c, chunked = "_c" in variant, "chunked" in variant
+    scheduler = "cutlass" if variant.endswith("cutlass_scheduler") else "fused"
+    return jax.jit(lambda x, w, c: gemm_module.gemm_own_rows(
+        x, w, c if with_c else None, chunked=chunked, scheduler=scheduler))
   raise SystemExit(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
 
 
@@ -61,9 +68,18 @@ def run(variant: str, m: int, k: int, n: int, calls: int) -> None:
   x, w, c = (jax.device_put(jax.random.normal(key, shape, jnp.bfloat16), device)
              for key, shape in zip(keys, ((m, k), (k, n), (m, n))))
   call = make_call(variant)
+  # The first call compiles (and XLA autotunes cuBLAS's algorithms: dozens of kernels ncu would
+  # replay pass by pass) outside the profiled range; ncu runs with --profile-from-start off.
+  call(x, w, c).block_until_ready()
+  # The CUDA driver's cuProfilerStart/Stop bound ncu's profiled range (no driver on a CPU run).
+  driver = ctypes.CDLL("libcuda.so.1") if device.platform == "gpu" else None
+  if driver is not None:
+    driver.cuProfilerStart()
   for _ in range(calls):
     call(x, w, c).block_until_ready()
-  print(f"ncu_gemms: {variant} {m}x{k}x{n}: {calls} calls on {device}")
+  if driver is not None:
+    driver.cuProfilerStop()
+  print(f"ncu_gemms: {variant} {m}x{k}x{n}: {calls} calls after a warm-up call on {device}")
 
 
 def parse_report(text: str) -> tuple[dict[str, str], list[dict[str, str]]]:

@@ -80,21 +80,31 @@ def test_unavailable_without_gpu():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("with_c", [True, False])
 @pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("scheduler", ["fused", "cutlass"])
 @pytest.mark.parametrize("x_shape,n", [
     ((2048, 1024), 2048),  # 4 chunks of 512 rows when chunked (tiles swept along N)
     ((1000, 264), 136),    # M, K, N not multiples of the tile
 ])
-def test_own_rows_kernel_alone_matches_float32_reference(dtype, with_c, chunked, x_shape, n):
+def test_own_rows_kernel_alone_matches_float32_reference(dtype, with_c, chunked, scheduler,
+                                                         x_shape, n):
   """GEMM+RS's own-rows kernel with communication off: x @ w + c, or x @ w without a source
-  (then C is not read at all: an output left over from D's garbage would fail the check)."""
+  (then C is not read at all: an output left over from D's garbage would fail the check);
+  under the fused ops' scheduler, or CUTLASS's (the probe of what the scheduler costs)."""
   x, w = gpu_util.operands(2, x_shape, (x_shape[-1], n), dtype)
   c = jax.random.normal(jax.random.key(3), x_shape[:-1] + (n,), jnp.float32).astype(dtype)
-  f = jax.jit(functools.partial(gemm_own_rows, chunked=chunked))
+  f = jax.jit(functools.partial(gemm_own_rows, chunked=chunked, scheduler=scheduler))
   got = f(x, w, c) if with_c else f(x, w)
   want = reference(x, w) + (c.astype(jnp.float32) if with_c else 0.0)
   assert got.shape == x_shape[:-1] + (n,) and got.dtype == dtype
   assert np.isfinite(np.asarray(got, np.float32)).all()
   assert rel_err(got, want) <= TOL[dtype]
+
+
+def test_own_rows_kernel_checks_its_scheduler_at_trace_time():
+  x = jax.ShapeDtypeStruct((64, 16), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((16, 32), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"scheduler must be one of \('fused', 'cutlass'\)"):
+    jax.eval_shape(functools.partial(gemm_own_rows, scheduler="persistent"), x, w)
 
 
 def test_own_rows_kernel_checks_c_at_trace_time():

@@ -46,7 +46,7 @@ def test_nanosecond_and_byte_units_and_an_empty_report():
 def test_cublas_variant_runs_on_cpu(capsys):
   ncu = load_script(SCRIPT, "ncu_gemms")
   ncu.run("cublas", 16, 32, 8, calls=2)
-  assert "cublas 16x32x8: 2 calls" in capsys.readouterr().out
+  assert "cublas 16x32x8: 2 calls after a warm-up call" in capsys.readouterr().out
 
 
 def test_program_output_around_the_report_is_ignored():

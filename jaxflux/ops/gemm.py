@@ -45,6 +45,16 @@ def _check_operands(op: str, x, w) -> tuple[int, int]:
   return k, n
 
 
+def _kernel_call(op: str, target: str, out: jax.ShapeDtypeStruct, *operands, **attrs):
+  """The FFI call of `target` once the platform can run it (else FusedKernelUnavailableError
+  naming `op`); attrs are int64 attributes."""
+  reason = _common.platform_reason()
+  if reason is not None:
+    raise _common.FusedKernelUnavailableError(f"{op}: {reason}")
+  _runtime.register_targets()
+  return jax.ffi.ffi_call(target, out)(*operands, **{k: np.int64(v) for k, v in attrs.items()})
+
+
 def gemm(x, w, *, tile_order: str = "cutlass", config: str | None = None, owners: int = 1):
   """x [..., M, K] @ w [K, N] -> [..., M, N] in x's dtype (bf16/fp16, fp32 accumulation).
 
@@ -64,17 +74,14 @@ def gemm(x, w, *, tile_order: str = "cutlass", config: str | None = None, owners
   rows = x.shape[-2]
   if tile_order == "matmul_reduce_scatter" and (owners < 1 or rows % owners):
     raise ValueError(f"{op}: owners={owners} must be >= 1 and divide M={rows} (x.shape[-2]).")
-  reason = _common.platform_reason()
-  if reason is not None:
-    raise _common.FusedKernelUnavailableError(f"{op}: {reason}")
-  _runtime.register_targets()
-  out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), x.dtype)
-  call = jax.ffi.ffi_call("jaxflux_gemm", out)
-  return call(x, w, tile_order=np.int64(TILE_ORDERS[tile_order]), config=np.int64(config_id),
-              owners=np.int64(owners))
+  return _kernel_call(op, "jaxflux_gemm", jax.ShapeDtypeStruct(x.shape[:-1] + (n,), x.dtype),
+                      x, w, tile_order=TILE_ORDERS[tile_order], config=config_id, owners=owners)
 
 
-def gemm_own_rows(x, w, c=None, *, chunked: bool = False):
+OWN_ROWS_SCHEDULERS = ("fused", "cutlass")
+
+
+def gemm_own_rows(x, w, c=None, *, chunked: bool = False, scheduler: str = "fused"):
   """x [..., M, K] @ w [K, N] (+ c [..., M, N]) with the fused GEMM+ReduceScatter's own-rows
   kernel alone (tp = 2's epilogue reduction, communication off: no peer, no waits).
 
@@ -82,20 +89,21 @@ def gemm_own_rows(x, w, c=None, *, chunked: bool = False):
   the same kernel skips C (beta 0). Timing the two apart from the fused op says how much of the
   own-rows GEMM's extra time is the C read and how much the pushes running beside it.
   chunked: sweep the tiles along N, as the fused op does when the partial lands in row chunks.
+  scheduler: "fused" (the fused ops' tile scheduler, as in the fused op) or "cutlass" (the same
+  GEMM, tile order and epilogue under CUTLASS's own scheduler): what the scheduler itself costs.
   """
   op = "gemm_own_rows"
+  if scheduler not in OWN_ROWS_SCHEDULERS:
+    raise ValueError(f"{op}: scheduler must be one of {OWN_ROWS_SCHEDULERS}; got {scheduler!r}.")
   _, n = _check_operands(op, x, w)
   out_shape = x.shape[:-1] + (n,)
   if c is not None and (tuple(c.shape) != out_shape or c.dtype != x.dtype):
     raise ValueError(f"{op}: c must have the output's shape {out_shape} and dtype {x.dtype}; "
                      f"got {tuple(c.shape)} {c.dtype}.")
-  reason = _common.platform_reason()
-  if reason is not None:
-    raise _common.FusedKernelUnavailableError(f"{op}: {reason}")
-  _runtime.register_targets()
-  call = jax.ffi.ffi_call("jaxflux_gemm_own_rows", jax.ShapeDtypeStruct(out_shape, x.dtype))
   source = c if c is not None else jax.numpy.zeros((8,), x.dtype)  # not read without c
-  return call(x, w, source, with_c=np.int64(c is not None), chunked=np.int64(chunked))
+  return _kernel_call(op, "jaxflux_gemm_own_rows", jax.ShapeDtypeStruct(out_shape, x.dtype),
+                      x, w, source, with_c=c is not None, chunked=chunked,
+                      cutlass_scheduler=scheduler == "cutlass")
 
 
 __all__ = ["gemm", "gemm_own_rows"]

@@ -83,6 +83,19 @@ ffi::Error CheckLaunch(const char* failure) {
   return ffi::Error::Success();
 }
 
+// `bytes` of CUTLASS workspace from XLA's scratch allocator (none for 0) into *workspace.
+ffi::Error AllocateWorkspace(ffi::ScratchAllocator& scratch, size_t bytes, void** workspace) {
+  *workspace = nullptr;
+  if (bytes == 0) return ffi::Error::Success();
+  auto allocation = scratch.Allocate(bytes, 256);
+  if (!allocation.has_value()) {
+    return ffi::Error::Internal("jaxflux gemm: could not allocate " + std::to_string(bytes) +
+                               " bytes of scratch");
+  }
+  *workspace = *allocation;
+  return ffi::Error::Success();
+}
+
 ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
                        ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d,
                        int64_t tile_order, int64_t config, int64_t owners) {
@@ -126,14 +139,7 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
                            ? AgGemmSm90WorkspaceBytes(which, fused)
                            : GemmSm90WorkspaceBytes(which, problem);
   void* workspace = nullptr;
-  if (bytes > 0) {
-    auto allocation = scratch.Allocate(bytes, 256);
-    if (!allocation.has_value()) {
-      return ffi::Error::Internal("jaxflux gemm: could not allocate " +
-                                           std::to_string(bytes) + " bytes of scratch");
-    }
-    workspace = *allocation;
-  }
+  if (ffi::Error e = AllocateWorkspace(scratch, bytes, &workspace); e.failure()) return e;
   const char* failure = nullptr;
   if (tile_order == kTileOrderAllGather) {
     failure = AgGemmSm90(which, fused, workspace, stream);
@@ -156,10 +162,12 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
 // D = A·B + C with no peer and no waits, or D = A·B with with_c = 0 (beta 0: c is not read and
 // may be any array). with_c = 1 against 0 is what reading the peer's partial as C costs that
 // GEMM, apart from the pushes that run beside it in the fused op; chunked = 1 sweeps the tiles
-// along N as the fused op does when the partial lands in row chunks (PlanEvenChunks).
+// along N as the fused op does when the partial lands in row chunks (PlanEvenChunks);
+// cutlass_scheduler = 1 runs the same GEMM and epilogue under CUTLASS's own scheduler instead.
 ffi::Error GemmOwnRowsExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
                               ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer c,
-                              ffi::Result<ffi::AnyBuffer> d, int64_t with_c, int64_t chunked) {
+                              ffi::Result<ffi::AnyBuffer> d, int64_t with_c, int64_t chunked,
+                              int64_t cutlass_scheduler) {
   int64_t m = 0, n = 0, k = 0;
   bool done = false;
   if (ffi::Error e = CheckOperands(stream, a, b, d, &m, &n, &k, &done); e.failure() || done) {
@@ -177,6 +185,7 @@ ffi::Error GemmOwnRowsExecute(cudaStream_t stream, int32_t device, ffi::ScratchA
                          static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), device};
   own.c = with_c != 0 ? c.untyped_data() : nullptr;
   own.wait_for_flags = 0;
+  own.cutlass_scheduler = cutlass_scheduler != 0 ? 1 : 0;
   own.wait.tp = 1;
   own.wait.rows_per_shard = static_cast<int>(m);
   own.wait.chunk_ends[0] = static_cast<int>(m);  // one chunk: CUTLASS's tile order
@@ -186,13 +195,9 @@ ffi::Error GemmOwnRowsExecute(cudaStream_t stream, int32_t device, ffi::ScratchA
   }
   own.wait.epilogue_load_only = 1;
   void* workspace = nullptr;
-  if (const size_t bytes = RsGemmSm90WorkspaceBytes(which, own); bytes > 0) {
-    auto allocation = scratch.Allocate(bytes, 256);
-    if (!allocation.has_value()) {
-      return ffi::Error::Internal("jaxflux gemm own rows: could not allocate " +
-                                  std::to_string(bytes) + " bytes of scratch");
-    }
-    workspace = *allocation;
+  if (ffi::Error e = AllocateWorkspace(scratch, RsGemmSm90WorkspaceBytes(which, own), &workspace);
+      e.failure()) {
+    return e;
   }
   return CheckLaunch(RsGemmSm90(which, own, workspace, stream));
 }
@@ -224,4 +229,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::AnyBuffer>()                     // c: [..., M, N] (with_c = 1)
         .Ret<xla::ffi::AnyBuffer>()                     // d: [..., M, N]
         .Attr<int64_t>("with_c")                        // 1: D = A·B + C; 0: D = A·B
-        .Attr<int64_t>("chunked"));                     // 1: tiles along N, as for chunks
+        .Attr<int64_t>("chunked")                       // 1: tiles along N, as for chunks
+        .Attr<int64_t>("cutlass_scheduler"));           // 1: CUTLASS's scheduler (probe)

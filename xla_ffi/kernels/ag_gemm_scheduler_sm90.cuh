@@ -76,13 +76,13 @@ class AgGemmScheduler : public cutlass::gemm::kernel::detail::PersistentTileSche
     return (tiles_m + step - 1) / step * step;
   }
 
+  // `params` is the kernel's own (CUTLASS's kernels build the scheduler from the __grid_constant__
+  // kernel parameter), so the scheduler keeps its address, not a copy. A copy of the wait state
+  // (~180 bytes, arrays indexed at run time) lived in local memory: 392 bytes of stack and
+  // 120-198 bytes of spill stores per kernel by ptxas -v; the own-rows kernel wrote 21-28 MB more
+  // to HBM than its output and took 0.4-3.0% more cycles (benchmarks/README.md, session 10).
   CUTLASS_DEVICE explicit AgGemmScheduler(Params const& params)
-      : Base(static_cast<BaseParams const&>(params)),
-        wait_(params.wait),
-        wait_for_flags_(params.wait_for_flags),
-        tiles_m_(params.tiles_m),
-        tile_shift_(params.tile_shift),
-        total_rows_(params.total_rows) {}
+      : Base(static_cast<BaseParams const&>(params)), params_(&params) {}
 
   // Every way a CUTLASS sm90 kernel asks for its tile goes through get_current_work() below:
   // the cooperative kernel calls initial_work_tile_info / fetch_next_work, the ping-pong kernel
@@ -94,7 +94,9 @@ class AgGemmScheduler : public cutlass::gemm::kernel::detail::PersistentTileSche
 
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
-    if (wait_for_flags_ && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) CheckRank();
+    if (params_->wait_for_flags && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+      CheckRank(params_->wait);
+    }
     return get_current_work();
   }
 
@@ -126,11 +128,12 @@ class AgGemmScheduler : public cutlass::gemm::kernel::detail::PersistentTileSche
  private:
   CUTLASS_DEVICE WorkTileInfo Prepare(WorkTileInfo work) const {
     if (!work.is_valid()) return work;
-    work.M_idx = (work.M_idx + tile_shift_) % tiles_m_;
+    const Params& p = *params_;
+    work.M_idx = (work.M_idx + p.tile_shift) % p.tiles_m;
     // The producer warp group waits before it loads the tile's A (AllGather+GEMM); with
     // epilogue_load_only the wait is compute_epilogue's.
-    if (wait_for_flags_ && !wait_.epilogue_load_only && threadIdx.x < kProducerThreads) {
-      WaitForRows(wait_, total_rows_, work.M_idx * kTileM);
+    if (p.wait_for_flags && !p.wait.epilogue_load_only && threadIdx.x < kProducerThreads) {
+      WaitForRows(p.wait, p.total_rows, work.M_idx * kTileM);
     }
     return work;
   }
@@ -193,21 +196,17 @@ class AgGemmScheduler : public cutlass::gemm::kernel::detail::PersistentTileSche
 
   // The rank cached at discovery must match this program's operand, or data lands in the wrong
   // rows (see docs/runtime.md, "site" rank cache).
-  CUTLASS_DEVICE void CheckRank() const {
-    if (wait_.rank_info == nullptr) return;
-    const int32_t rank = wait_.rank_info[0];
-    const int32_t group = wait_.rank_info[1];
-    if (rank != wait_.rank || group != wait_.group) {
-      device::RecordError(wait_.error, ErrorKind::kRankMismatch, wait_.op, wait_.device,
-                          wait_.rank, rank, group, 0, 0, wait_.epoch, 0);
+  CUTLASS_DEVICE static void CheckRank(AgGemmWait const& w) {
+    if (w.rank_info == nullptr) return;
+    const int32_t rank = w.rank_info[0];
+    const int32_t group = w.rank_info[1];
+    if (rank != w.rank || group != w.group) {
+      device::RecordError(w.error, ErrorKind::kRankMismatch, w.op, w.device, w.rank, rank, group,
+                          0, 0, w.epoch, 0);
     }
   }
 
-  AgGemmWait wait_;
-  int wait_for_flags_;
-  int tiles_m_;
-  int tile_shift_;
-  int total_rows_;
+  Params const* params_;
 };
 
 }  // namespace jaxflux

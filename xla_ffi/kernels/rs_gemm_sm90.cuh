@@ -56,6 +56,28 @@ typename Config<Element, LayoutB>::Gemm::Arguments MakeArguments(const RsGemmPro
   return args;
 }
 
+// The probe's kernel (RsGemmProblem::cutlass_scheduler): the same tiles, swizzle and source-C
+// epilogue under CUTLASS's own persistent scheduler (raster along N when chunked, as above).
+template <class Element>
+using PlainSchedulerConfig =
+    gemm_sm90::Config<Element, void, gemm_sm90::DefaultTiles, Element, gemm_sm90::NMajorB>;
+
+template <class Element>
+typename PlainSchedulerConfig<Element>::Gemm::Arguments MakePlainSchedulerArguments(
+    const RsGemmProblem& p) {
+  using C = PlainSchedulerConfig<Element>;
+  auto args = gemm_sm90::MakeArguments<C>(p.gemm);
+  args.epilogue.ptr_C = static_cast<const Element*>(p.c != nullptr ? p.c : p.gemm.d);
+  args.epilogue.thread.beta = p.c != nullptr ? 1.0f : 0.0f;
+  if (p.wait.chunk_ends[0] < p.wait.rows_per_shard) {
+    args.scheduler.raster_order = C::Kernel::TileScheduler::RasterOrderOptions::AlongN;
+  }
+  constexpr int kTileM = cute::get<0>(typename C::Tile{});
+  constexpr int kClusterM = cute::get<0>(typename C::Cluster{});
+  args.scheduler.max_swizzle_size = Swizzle(p.gemm.m, kClusterM * kTileM);  // as the fused one
+  return args;
+}
+
 template <class Element, class LayoutB>
 size_t WorkspaceBytesOf(const RsGemmProblem& p) {
   return Config<Element, LayoutB>::Gemm::get_workspace_size(MakeArguments<Element, LayoutB>(p));
@@ -67,15 +89,25 @@ const char* RunOf(const RsGemmProblem& p, void* workspace, cudaStream_t stream) 
                                                      workspace, stream);
 }
 
-// B's layout from the problem (GemmProblem::b_kmajor).
+// B's layout from the problem (GemmProblem::b_kmajor); the probe's scheduler if asked for.
 template <class Element>
 size_t WorkspaceBytes(const RsGemmProblem& p) {
+  if (p.cutlass_scheduler != 0) {
+    if (p.gemm.b_kmajor) return 0;  // Run reports it
+    return PlainSchedulerConfig<Element>::Gemm::get_workspace_size(
+        MakePlainSchedulerArguments<Element>(p));
+  }
   return p.gemm.b_kmajor ? WorkspaceBytesOf<Element, gemm_sm90::KMajorB>(p)
                          : WorkspaceBytesOf<Element, gemm_sm90::NMajorB>(p);
 }
 
 template <class Element>
 const char* Run(const RsGemmProblem& p, void* workspace, cudaStream_t stream) {
+  if (p.cutlass_scheduler != 0) {
+    if (p.gemm.b_kmajor) return "the CUTLASS-scheduler probe takes an N-major weight only";
+    return gemm_sm90::Launch<PlainSchedulerConfig<Element>>(
+        MakePlainSchedulerArguments<Element>(p), workspace, stream);
+  }
   return p.gemm.b_kmajor ? RunOf<Element, gemm_sm90::KMajorB>(p, workspace, stream)
                          : RunOf<Element, gemm_sm90::NMajorB>(p, workspace, stream);
 }

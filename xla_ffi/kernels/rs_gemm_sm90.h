@@ -24,6 +24,10 @@ struct RsGemmProblem {
   // chunks also set the tile order: more than one sweeps the rows along N, in landing order.
   AgGemmWait wait;
   int32_t wait_for_flags = 1;  // 0: no waits (the GEMM-only probe; wait's flags unused)
+  // 1: the same GEMM and source-C epilogue under CUTLASS's own scheduler instead of the fused
+  // ops' (the probe only: no waits, no rotation; bf16/fp16 with an N-major weight). Against 0
+  // it tells what the fused scheduler costs apart from the C-capable epilogue.
+  int32_t cutlass_scheduler = 0;
 };
 
 size_t RsGemmSm90WorkspaceBytes(GemmDtype dtype, const RsGemmProblem& problem);
