@@ -119,8 +119,8 @@ def main(argv=None) -> None:
   p.add_argument("outdir", type=pathlib.Path)
   p.add_argument("--op", choices=("gemm_rs", "ag_gemm"), default="gemm_rs")
   p.add_argument("--modes", default=None,
-                 help="gemm_rs: pass, epilogue (default both), own_rows[_c][_chunked]; "
-                      "ag_gemm: fused (default); both: gemm_only")
+                 help="gemm_rs: pass, epilogue (default both), " + ", ".join(OWN_ROWS_MODES)
+                      + "; ag_gemm: fused (default); both: gemm_only")
   p.add_argument("--calls", type=int, default=4)
   args = p.parse_args(argv)
   modes = args.modes or ("pass,epilogue" if args.op == "gemm_rs" else "fused")

@@ -74,8 +74,6 @@ def test_unavailable_without_gpu():
     jax.eval_shape(gemm, x, jax.ShapeDtypeStruct((16, 64), jnp.bfloat16))
 
 
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("with_c", [True, False])

@@ -78,9 +78,10 @@ class AgGemmScheduler : public cutlass::gemm::kernel::detail::PersistentTileSche
 
   // `params` is the kernel's own (CUTLASS's kernels build the scheduler from the __grid_constant__
   // kernel parameter), so the scheduler keeps its address, not a copy. A copy of the wait state
-  // (~180 bytes, arrays indexed at run time) lived in local memory: 392 bytes of stack and
-  // 120-198 bytes of spill stores per kernel by ptxas -v; the own-rows kernel wrote 21-28 MB more
-  // to HBM than its output and took 0.4-3.0% more cycles (benchmarks/README.md, session 10).
+  // (AgGemmWait, 192 bytes, arrays indexed at run time) lived in local memory: 392 bytes of stack
+  // and 120-198 bytes of spill stores per kernel by ptxas -v; the own-rows kernel wrote 21-28 MB
+  // more to HBM than under CUTLASS's scheduler and took 0.4-3.0% more cycles (benchmarks/README.md,
+  // session 10).
   CUTLASS_DEVICE explicit AgGemmScheduler(Params const& params)
       : Base(static_cast<BaseParams const&>(params)), params_(&params) {}
 
