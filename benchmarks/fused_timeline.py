@@ -94,9 +94,10 @@ def fused_call(op: str, mode: str, mesh: Mesh):
 
     def own_rows(a, b):  # this device's own rows (a slice: its copy is a kernel of its own)
       rows = a.shape[0] // tp
-      c = jnp.full((rows, b.shape[1]), 0.5, a.dtype) if "_c" in mode else None
+      words = mode.split("_")  # by word: "_c" is also in "_chunked"
+      c = jnp.full((rows, b.shape[1]), 0.5, a.dtype) if "c" in words else None
       scheduler = "cutlass" if mode.endswith("cutlass_scheduler") else "fused"
-      return gemm_module.gemm_own_rows(a[:rows], b, c, chunked="chunked" in mode,
+      return gemm_module.gemm_own_rows(a[:rows], b, c, chunked="chunked" in words,
                                        scheduler=scheduler)
     return jax.jit(jax.shard_map(own_rows, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
                                  out_specs=P("tp", None)))

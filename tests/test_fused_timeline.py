@@ -50,6 +50,32 @@ def test_own_rows_modes_call_the_own_rows_kernel_and_only_for_gemm_rs():
       jax.eval_shape(timeline.fused_call("gemm_rs", mode, mesh), x, w)
 
 
+def test_own_rows_modes_pass_c_only_when_named(monkeypatch):
+  """own_rows_chunked reads no C: "_c" is also in "_chunked" (sessions 9-10 passed one)."""
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh
+
+  from jaxflux.ops import gemm as gemm_module
+  timeline = load_script(SCRIPT, "fused_timeline")
+  seen = {}
+
+  def fake_own_rows(x, w, c=None, *, chunked=False, scheduler="fused"):
+    seen[mode] = (c is not None, chunked, scheduler)
+    return x @ w
+
+  monkeypatch.setattr(gemm_module, "gemm_own_rows", fake_own_rows)
+  mesh = Mesh(np.asarray(jax.devices()[:2]), ("tp",))
+  x = jax.ShapeDtypeStruct((256, 128), jax.numpy.float32)
+  w = jax.ShapeDtypeStruct((128, 64), jax.numpy.float32)
+  for mode in timeline.OWN_ROWS_MODES:
+    jax.eval_shape(timeline.fused_call("gemm_rs", mode, mesh), x, w)
+  assert seen == {"own_rows": (False, False, "fused"), "own_rows_c": (True, False, "fused"),
+                  "own_rows_chunked": (False, True, "fused"),
+                  "own_rows_c_chunked": (True, True, "fused"),
+                  "own_rows_c_chunked_cutlass_scheduler": (True, True, "cutlass")}
+
+
 def test_gemm_summary_tells_the_schedulers_apart():
   timeline = load_script(SCRIPT, "fused_timeline")
   fused = "_ZN7cutlass13device_kernelI...AgGemmSchedulerTag..."
