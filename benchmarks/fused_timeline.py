@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 # The modules (jaxflux.ops re-exports their functions under the same names).
 rs = importlib.import_module("jaxflux.ops.matmul_reduce_scatter")
 ag = importlib.import_module("jaxflux.ops.all_gather_matmul")
+gemm_module = importlib.import_module("jaxflux.ops.gemm")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from profile_summary import newest_trace  # noqa: E402 (beside this script, not a package)
 
@@ -56,8 +57,7 @@ def gpu_events(trace_dir: pathlib.Path) -> list[tuple[str, str, float, float, st
 
 # gemm_rs's own-rows kernel (the epilogue reduction's GEMM) alone, communication off: without
 # and with its source C, in CUTLASS's tile order or swept along N as for chunked pushes.
-OWN_ROWS_MODES = ("own_rows", "own_rows_c", "own_rows_chunked", "own_rows_c_chunked",
-                  "own_rows_c_chunked_cutlass_scheduler")
+OWN_ROWS_MODES = gemm_module.OWN_ROWS_VARIANTS
 
 
 def gemm_summary(events) -> list[tuple[str, int, float]]:
@@ -77,7 +77,6 @@ def fused_call(op: str, mode: str, mesh: Mesh):
   """The jitted fused op over `mesh` (global operands in, global result out); mode gemm_only:
   its GEMM alone on the same per-device shape, communication off (the benchmark's column)."""
   if mode == "gemm_only":
-    from jaxflux.ops import gemm as gemm_module
     if op == "gemm_rs":  # every device: all M rows by its K-slice, in the owners' order
       body = functools.partial(gemm_module.gemm, tile_order="matmul_reduce_scatter",
                                owners=mesh.shape["tp"])
@@ -89,16 +88,13 @@ def fused_call(op: str, mode: str, mesh: Mesh):
   if mode.startswith("own_rows"):  # gemm_rs's own-rows kernel alone (jaxflux.ops.gemm)
     if op != "gemm_rs" or mode not in OWN_ROWS_MODES:
       raise SystemExit(f"own-rows modes are gemm_rs's: {', '.join(OWN_ROWS_MODES)}")
-    from jaxflux.ops import gemm as gemm_module
     tp = mesh.shape["tp"]
 
     def own_rows(a, b):  # this device's own rows (a slice: its copy is a kernel of its own)
       rows = a.shape[0] // tp
-      words = mode.split("_")  # by word: "_c" is also in "_chunked"
-      c = jnp.full((rows, b.shape[1]), 0.5, a.dtype) if "c" in words else None
-      scheduler = "cutlass" if mode.endswith("cutlass_scheduler") else "fused"
-      return gemm_module.gemm_own_rows(a[:rows], b, c, chunked="chunked" in words,
-                                       scheduler=scheduler)
+      with_c, options = gemm_module.own_rows_variant(mode)
+      c = jnp.full((rows, b.shape[1]), 0.5, a.dtype) if with_c else None
+      return gemm_module.gemm_own_rows(a[:rows], b, c, **options)
     return jax.jit(jax.shard_map(own_rows, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
                                  out_specs=P("tp", None)))
   if op == "gemm_rs":

@@ -22,8 +22,8 @@ JAX's whole memory pool (with both, two of the first reports on the GPU ran past
                       source C, and/or the tiles swept along N as for a chunked push
   own_rows_c_chunked_cutlass_scheduler  the same under CUTLASS's scheduler: what the fused
                       ops' scheduler costs apart from the source-C epilogue
-`summarize` prints, per CSV (one variant each), the last profiled kernel (the last call): time, SM cycles, the clock they imply, HBM bytes
-read and written, L2 hit rate, SM throughput. Cycles compare kernels independently of the clock.
+`summarize` prints, per CSV (one variant each), the last profiled kernel (the last call): time,
+SM cycles, the clock they imply, HBM bytes read and written, L2 hit rate, SM throughput. Cycles compare kernels independently of the clock.
 """
 from __future__ import annotations
 
@@ -52,10 +52,9 @@ def make_call(variant: str):
   if variant == "ag_gemm_only":
     return jax.jit(lambda x, w, c: gemm_module.gemm(x, w, tile_order="all_gather_matmul"))
   if variant.startswith("own_rows") and variant in VARIANTS:
-    with_c, chunked = "_c" in variant, "chunked" in variant
-    scheduler = "cutlass" if variant.endswith("cutlass_scheduler") else "fused"
-    return jax.jit(lambda x, w, c: gemm_module.gemm_own_rows(
-        x, w, c if with_c else None, chunked=chunked, scheduler=scheduler))
+    with_c, options = gemm_module.own_rows_variant(variant)
+    return jax.jit(lambda x, w, c: gemm_module.gemm_own_rows(x, w, c if with_c else None,
+                                                             **options))
   raise SystemExit(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
 
 

@@ -114,6 +114,17 @@ def test_own_rows_kernel_checks_c_at_trace_time():
     jax.eval_shape(gemm_own_rows, x, jax.ShapeDtypeStruct((16, 36), jnp.bfloat16))
 
 
+def test_own_rows_variant_names_map_to_the_probe_arguments():
+  from jaxflux.ops.gemm import own_rows_variant
+  assert own_rows_variant("own_rows") == (False, {"chunked": False, "scheduler": "fused"})
+  # "_chunked" holds "_c": chunked without C reads no C (sessions 9-10 passed one).
+  assert own_rows_variant("own_rows_chunked") == (False, {"chunked": True, "scheduler": "fused"})
+  assert own_rows_variant("own_rows_c_chunked_cutlass_scheduler") == (
+      True, {"chunked": True, "scheduler": "cutlass"})
+  with pytest.raises(ValueError, match="'own_rows_chunked_c' is not one of"):
+    own_rows_variant("own_rows_chunked_c")
+
+
 @pytest.mark.skipif(jaxflux.has_cuda(), reason="checks the no-GPU error")
 def test_own_rows_kernel_unavailable_without_gpu():
   with pytest.raises(jaxflux.FusedKernelUnavailableError, match="gemm_own_rows"):

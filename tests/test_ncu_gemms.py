@@ -56,3 +56,11 @@ def test_program_output_around_the_report_is_ignored():
                     '"0","1","k","2.0","3000","1","1","1","1"') + "\ntrailing program line\n")
   units, rows = ncu.parse_report(text)
   assert len(rows) == 1 and ncu.summarize_kernel(rows[0], units)["clock_mhz"] == 1500.0
+
+
+def test_own_rows_variants_are_the_kernels_own():
+  """ncu_gemms.py lists its variants itself (its CLI imports no jaxflux) and parses the own-rows
+  ones with jaxflux.ops.gemm.own_rows_variant: the two lists must not drift apart."""
+  from jaxflux.ops.gemm import OWN_ROWS_VARIANTS
+  ncu = load_script(SCRIPT, "ncu_gemms")
+  assert {v for v in ncu.VARIANTS if v.startswith("own_rows")} == set(OWN_ROWS_VARIANTS)

@@ -106,4 +106,21 @@ def gemm_own_rows(x, w, c=None, *, chunked: bool = False, scheduler: str = "fuse
                       cutlass_scheduler=scheduler == "cutlass")
 
 
+# The own-rows kernel's measured variants by name, as the benchmark scripts
+# (benchmarks/ncu_gemms.py, benchmarks/fused_timeline.py) spell them:
+# own_rows[_c][_chunked][_cutlass_scheduler].
+OWN_ROWS_VARIANTS = ("own_rows", "own_rows_c", "own_rows_chunked", "own_rows_c_chunked",
+                     "own_rows_c_chunked_cutlass_scheduler")
+
+
+def own_rows_variant(name: str) -> tuple[bool, dict]:
+  """(whether the variant reads a source C, gemm_own_rows keyword arguments) of one of
+  OWN_ROWS_VARIANTS."""
+  if name not in OWN_ROWS_VARIANTS:
+    raise ValueError(f"own-rows variant {name!r} is not one of {OWN_ROWS_VARIANTS}.")
+  words = name.split("_")  # by word: "_c" is also in "_chunked"
+  return "c" in words, {"chunked": "chunked" in words,
+                        "scheduler": "cutlass" if "scheduler" in words else "fused"}
+
+
 __all__ = ["gemm", "gemm_own_rows"]
