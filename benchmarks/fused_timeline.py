@@ -12,7 +12,7 @@ for gemm_rs, `own_rows`, `own_rows_c`, `own_rows_chunked`, `own_rows_c_chunked`:
 mode's own-rows kernel alone, without or with its source C, in CUTLASS's tile order or swept
 along N as for a partial pushed in chunks (what the C read costs apart from the pushes);
 `own_rows_c_chunked_cutlass_scheduler`: the last under CUTLASS's own scheduler (what the fused
-ops' scheduler costs).
+ops' scheduler costs); `own_rows_c[_chunked]_pingpong`: with C, ping-pong 128x128 tiles.
 Prints `GPU  stream  start_us  duration_us  name` rows (start from the trace's first GPU event).
 It is how GEMM+RS's epilogue stall was found: the peer's push (MemcpyP2P) ran 19-24x slower
 while the own-rows GEMM spun on its flag (benchmarks/logs/gemm_rs_timeline_hostpoll_session5_*.log).

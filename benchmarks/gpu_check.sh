@@ -4,7 +4,10 @@
 #   STAGES="tests bench" bash benchmarks/gpu_check.sh [OUTDIR]
 # (OUTDIR: $OUT, else /tmp/jaxflux_gpu)
 # Stages (default: all, in this order; one `device` call is at most 10 minutes, so split them):
-#   tests     every GPU-marked test (~6 min on 2xH200), or those of the files in $GPU_TESTS
+#   tests     every GPU-marked test (~6 min on 2xH200), or those of the files in $GPU_TESTS.
+#             On one GPU only tests/test_multiprocess_gpu.py's `sharing_one_gpu` tests run the
+#             fused ops (two processes taking turns on the GPU: correctness, not speed; ~7 min,
+#             so alone in a call with TESTS_TIMEOUT=440): GPU_TESTS=tests/test_multiprocess_gpu.py
 #   clock     --timing device against --timing dispatch: two ag_gemm shapes, the all-gather (~2 min)
 #   allgather the copy-engine all-gather vs lax.all_gather (~2 min)
 #   bench     both fused ops vs XLA at M=2048,8192, GEMM-only columns included, and GEMM+RS
@@ -49,11 +52,17 @@
 #   timelines the GPU timeline (kernels and copies per stream, JAX profiler) of a few calls of
 #             AG+GEMM (llama70b-qkv M=2048, llama70b-fc1 M=8192) and GEMM+RS (llama70b-out
 #             M=4096): where each fused op's time over its GEMM goes (~2 min)
+#   rsschedule  GEMM+RS's own-rows schedules (JAXFLUX_GEMM_RS_SCHEDULE), one GPU is enough: the
+#             own-rows probe's GPU tests (both schedules), the fused ops' matrix with two ranks
+#             sharing GPU 0 under forced ping-pong (correctness), then the own-rows kernel alone,
+#             with C, cooperative against ping-pong against cuBLAS without C
+#             (benchmarks/ncu_gemms.py time) on the out-projection shapes' own rows
+#             ($SCHEDULE_SPECS "M K N;...", per-device) (~5 min)
 # Needs .whl/ with the CUTLASS wheel (pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0),
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
-STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect ownrows power swizzle ncu tables timelines}
+STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect ownrows power swizzle ncu tables timelines rsschedule}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLUX_CUDA=ON
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
@@ -70,7 +79,7 @@ python3 -c "import jax, jaxflux; print(jax.__version__, jaxflux.has_cuda(), jax.
 
 if stage tests; then
   # GPU_TESTS narrows the files (default: all of tests/), e.g. to split them over two calls.
-  timeout 420 python3 -m pytest -q -rs -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider \
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rs -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider \
     --durations=10 \
     -o faulthandler_timeout=90 > "$OUTDIR/gpu_tests.log" 2>&1 || status=1
   tail -25 "$OUTDIR/gpu_tests.log"
@@ -317,6 +326,32 @@ if stage timelines; then
     grep -v "^[WEI][0-9 ]" "$OUTDIR/timeline_${op}_M${m}_N${n}.log" | tail -20
   done
   rm -rf "$OUTDIR/trace_tmp"
+fi
+
+if stage rsschedule; then
+  timeout 150 python3 -m pytest -q -rs -m gpu tests/test_gemm_gpu.py -k own_rows \
+    -p no:cacheprovider -o faulthandler_timeout=90 > "$OUTDIR/own_rows_tests.log" 2>&1 || status=1
+  tail -3 "$OUTDIR/own_rows_tests.log"
+  # The matrix of tests/test_multiprocess_gpu.py, both ranks on GPU 0, own rows forced ping-pong.
+  port=$(( 20000 + RANDOM % 20000 ))
+  for i in 0 1; do
+    JAXFLUX_GEMM_RS_SCHEDULE=pingpong XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD \
+      timeout 240 python3 tests/multiprocess_gpu_worker.py $port 2 $i matrix shared \
+      > "$OUTDIR/shared_matrix_pingpong.$i.log" 2>&1 &
+  done
+  wait
+  grep -cE "^PASS" "$OUTDIR/shared_matrix_pingpong.0.log"
+  grep -hE "FAIL|WORKER|rror" "$OUTDIR"/shared_matrix_pingpong.*.log | head -20
+  # Own rows of M = 2048, 4096, 8192 tokens at tp=2 of llama70b-out and gpt3-out (K_local, N).
+  specs=${SCHEDULE_SPECS:-"1024 4096 8192;2048 4096 8192;4096 4096 8192;1024 6144 12288;2048 6144 12288;4096 6144 12288"}
+  IFS=';' read -ra list <<< "$specs"
+  for spec in "${list[@]}"; do
+    read -r m k n <<< "$spec"
+    timeout 120 python3 benchmarks/ncu_gemms.py time \
+      cublas,own_rows_c_chunked,own_rows_c_chunked_pingpong,own_rows_c,own_rows_c_pingpong \
+      "$m" "$k" "$n" --calls 50 --rounds 7 --json "$OUTDIR/own_rows_schedules.json" 2>&1 \
+      | grep -v "^[WEI][0-9 ]" || status=1
+  done
 fi
 
 echo "end at $(( $(date +%s) - T0 )) s, status $status"

@@ -22,8 +22,18 @@ JAX's whole memory pool (with both, two of the first reports on the GPU ran past
                       source C, and/or the tiles swept along N as for a chunked push
   own_rows_c_chunked_cutlass_scheduler  the same under CUTLASS's scheduler: what the fused
                       ops' scheduler costs apart from the source-C epilogue
+  own_rows_c[_chunked]_pingpong  the own-rows kernel with ping-pong 128x128 tiles
 `summarize` prints, per CSV (one variant each), the last profiled kernel (the last call): time,
 SM cycles, the clock they imply, HBM bytes read and written, L2 hit rate, SM throughput. Cycles compare kernels independently of the clock.
+
+Without ncu, `time` times several variants on the same operands, back to back and interleaved:
+
+    python benchmarks/ncu_gemms.py time cublas,own_rows_c_chunked,own_rows_c_chunked_pingpong \
+        M K N [--calls 50] [--rounds 5] [--json OUT.json]
+
+each round queues --calls calls of each variant in turn with one sync; per variant the median
+(and fastest) round's time per call, and its ratio to the first variant's median. Interleaving
+spreads clock and power drift over all variants alike.
 """
 from __future__ import annotations
 
@@ -37,7 +47,8 @@ METRICS = ("gpu__time_duration.sum", "sm__cycles_elapsed.max", "dram__bytes_read
            "dram__bytes_write.sum", "lts__t_sector_hit_rate.pct",
            "sm__throughput.avg.pct_of_peak_sustained_elapsed")
 VARIANTS = ("cublas", "cutlass", "ag_gemm_only", "own_rows", "own_rows_c", "own_rows_chunked",
-            "own_rows_c_chunked", "own_rows_c_chunked_cutlass_scheduler")
+            "own_rows_c_chunked", "own_rows_c_chunked_cutlass_scheduler", "own_rows_c_pingpong",
+            "own_rows_c_chunked_pingpong")
 
 
 def make_call(variant: str):
@@ -58,14 +69,22 @@ def make_call(variant: str):
   raise SystemExit(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
 
 
-def run(variant: str, m: int, k: int, n: int, calls: int) -> None:
+def operands(m: int, k: int, n: int):
+  """Random bf16 x [m, k], w [k, n], c [m, n] on the first device."""
   import jax
   import jax.numpy as jnp
 
   device = jax.devices()[0]
   keys = jax.random.split(jax.random.key(0), 3)
-  x, w, c = (jax.device_put(jax.random.normal(key, shape, jnp.bfloat16), device)
-             for key, shape in zip(keys, ((m, k), (k, n), (m, n))))
+  return tuple(jax.device_put(jax.random.normal(key, shape, jnp.bfloat16), device)
+               for key, shape in zip(keys, ((m, k), (k, n), (m, n))))
+
+
+def run(variant: str, m: int, k: int, n: int, calls: int) -> None:
+  import jax
+
+  device = jax.devices()[0]
+  x, w, c = operands(m, k, n)
   call = make_call(variant)
   # The first call compiles (and XLA autotunes cuBLAS's algorithms: dozens of kernels ncu would
   # replay pass by pass) outside the profiled range; ncu runs with --profile-from-start off.
@@ -138,6 +157,61 @@ def summarize(paths: list[str]) -> None:
           f"{s['sm_throughput_pct']:6.1f}  {s['kernel']}")
 
 
+def time_variants(variants: list[str], m: int, k: int, n: int, calls: int,
+                  rounds: int) -> dict[str, list[float]]:
+  """Per variant, the time per call (us) of each round; rounds interleave the variants."""
+  import time
+
+  x, w, c = operands(m, k, n)
+  fns = {v: make_call(v) for v in variants}
+  for v in variants:  # compile (and XLA's autotuning) outside the timed rounds
+    fns[v](x, w, c).block_until_ready()
+  times: dict[str, list[float]] = {v: [] for v in variants}
+  for _ in range(rounds):
+    for v in variants:
+      start = time.perf_counter()
+      for _ in range(calls):
+        out = fns[v](x, w, c)
+      out.block_until_ready()
+      times[v].append((time.perf_counter() - start) / calls * 1e6)
+  return times
+
+
+def report_times(times: dict[str, list[float]]) -> list[dict]:
+  """Rows of (variant, median us, fastest us, median / the first variant's median)."""
+  import statistics
+
+  base = statistics.median(next(iter(times.values())))
+  return [{"variant": v, "median_us": statistics.median(t), "min_us": min(t),
+           "ratio_to_first": statistics.median(t) / base} for v, t in times.items()]
+
+
+def time_main(args, argv: list[str]) -> None:
+  variants = [v for v in args.variants.split(",") if v]
+  unknown = [v for v in variants if v not in VARIANTS]
+  if unknown:
+    raise SystemExit(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+  times = time_variants(variants, args.m, args.k, args.n, args.calls, args.rounds)
+  rows = report_times(times)
+  print(f"time {args.m}x{args.k}x{args.n}, {args.rounds} rounds of {args.calls} calls")
+  for r in rows:
+    print(f"{r['variant']:40s} median {r['median_us']:9.1f} us  fastest {r['min_us']:9.1f} us  "
+          f"x{r['ratio_to_first']:.3f} of {variants[0]}")
+  if args.json:
+    import json
+    import pathlib
+
+    from jaxflux.bench import machine
+    result = {**machine.provenance("benchmarks/ncu_gemms.py", argv),
+              "shape": {"m": args.m, "k": args.k, "n": args.n}, "calls": args.calls,
+              "rounds": args.rounds, "rows": rows, "round_times_us": times}
+    path = pathlib.Path(args.json)
+    if path.exists():  # one file collects several shapes: a list of results
+      old = json.loads(path.read_text())
+      result = (old if isinstance(old, list) else [old]) + [result]
+    path.write_text(json.dumps(result, indent=1) + "\n")
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   sub = p.add_subparsers(dest="command", required=True)
@@ -147,12 +221,23 @@ def main(argv=None) -> None:
   r.add_argument("k", type=int)
   r.add_argument("n", type=int)
   r.add_argument("--calls", type=int, default=3)
+  t = sub.add_parser("time", help="time variants back to back, interleaved rounds (no ncu)")
+  t.add_argument("variants", help="comma-separated; ratios are to the first")
+  t.add_argument("m", type=int)
+  t.add_argument("k", type=int)
+  t.add_argument("n", type=int)
+  t.add_argument("--calls", type=int, default=50)
+  t.add_argument("--rounds", type=int, default=5)
+  t.add_argument("--json", help="append the result to this JSON file")
   s = sub.add_parser("summarize", help="one line per ncu CSV report")
   s.add_argument("reports", nargs="+")
   sub.add_parser("metrics", help="print the metrics to pass to ncu --metrics")
+  argv = list(sys.argv[1:] if argv is None else argv)
   args = p.parse_args(argv)
   if args.command == "run":
     run(args.variant, args.m, args.k, args.n, args.calls)
+  elif args.command == "time":
+    time_main(args, argv)
   elif args.command == "summarize":
     summarize(args.reports)
   else:

@@ -1,24 +1,48 @@
 """One process of a one-process-per-GPU jaxflux run (driven by tests/test_multiprocess_gpu.py).
 
-    python tests/multiprocess_gpu_worker.py PORT NUM_PROCESSES PROCESS_ID MODE
+    python tests/multiprocess_gpu_worker.py PORT NUM_PROCESSES PROCESS_ID MODE [shared]
 
-Joins jax.distributed on 127.0.0.1:PORT driving GPU PROCESS_ID (every GPU stays visible, so that
-CUDA IPC can map the peers' memory), then, on a ('tp',) mesh over all processes' GPUs:
+Joins jax.distributed on 127.0.0.1:PORT driving GPU PROCESS_ID, or GPU 0 with `shared` (every GPU
+stays visible, so that CUDA IPC can map the peers' memory), then, on a ('tp',) mesh over all
+processes' GPUs:
   MODE=check: the fused all_gather_matmul and matmul_reduce_scatter against float32 NumPy,
     200 back-to-back calls with fresh data and no host sync, and gradients;
+  MODE=matrix: both fused ops on every shape of shapes.json at M=1024 (and GEMM+RS at one shape
+    whose partial is pushed in chunks), odd shapes, batch dims and fp16, and the gradients of both (each op's backward runs the other with the weight
+    transposed), against float32 NumPy;
+  MODE=badschedule: with JAXFLUX_GEMM_RS_SCHEDULE set to a bad value, the fused
+    matmul_reduce_scatter fails with a message naming it (on every rank, before any waits);
   MODE=die: one fused call, then process 1 exits at once and process 0 makes another call, which
     must fail with jaxflux's timeout error instead of hanging.
 Prints `PASS <case>` per case and, last, `WORKER OK <process id>`.
+
+With `shared`, every process drives GPU 0: the ranks then share one GPU, their kernels
+time-sliced, and CUDA IPC maps memory of the same device from another process. That runs the
+fused ops' cross-rank protocol (pushes, flags, waits) on a one-GPU machine: correctness only
+(the ranks' kernels take turns, so times mean nothing), and no XLA collective can run (NCCL
+refuses two ranks on one GPU), so MODE=check skips its in-program all-gather case there. A
+push between the ranks is then a copy within one device, which runs as a kernel, so the GEMMs
+are given fewer SMs than the GPU has (JAXFLUX_GEMM_SMS=100): one holding every SM while it
+spins on a peer's push would starve that push (it did, once in three runs, on the chunked
+all-gather of rows/rank=8192).
 """
+import json
 import os
+import pathlib
 import sys
 
 import jax
 
 PORT, NUM_PROCESSES, PROCESS_ID = map(int, sys.argv[1:4])
 MODE = sys.argv[4]
+SHARED_GPU = sys.argv[5:] == ["shared"]  # every process drives GPU 0
+GPU = 0 if SHARED_GPU else PROCESS_ID
+if SHARED_GPU:
+  # A peer's push is then a copy within one device, which runs as a kernel: leave it SMs that
+  # this rank's GEMM, spinning on that push, does not hold (xla_ffi/kernels/device_info.h).
+  os.environ.setdefault("JAXFLUX_GEMM_SMS", "100")
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{PORT}", num_processes=NUM_PROCESSES,
-                           process_id=PROCESS_ID, local_device_ids=[PROCESS_ID],
+                           process_id=PROCESS_ID, local_device_ids=[GPU],
                            coordinator_bind_address=f"127.0.0.1:{PORT}",
                            cluster_detection_method="deactivate", initialization_timeout=60)
 
@@ -42,11 +66,12 @@ def global_array(host, spec):
 
 
 def check(name, got, want, tol=1e-2):
-  """Compares the shards this process holds with the same slices of the reference."""
+  """Compares the shards this process holds with the same slices of the reference (`want`: an
+  array, or a function of a shard's index giving that slice)."""
   worst = 0.0
   for shard in got.addressable_shards:
     g = np.asarray(shard.data, np.float64)
-    w = np.asarray(want[shard.index], np.float64)
+    w = np.asarray(want(shard.index) if callable(want) else want[shard.index], np.float64)
     worst = max(worst, float(np.linalg.norm(g - w) / np.linalg.norm(w)))
   if worst <= tol:
     print(f"PASS {name}", flush=True)
@@ -110,6 +135,79 @@ def run_check_gathered_slots():
         gathered(bf16(x, P("tp", None)), bf16(w, P(None, "tp"))), x @ w)
 
 
+def op_fn(op, batch_ndim):
+  """The fused op on a ('tp',) mesh, operands with `batch_ndim` leading batch dims."""
+  b = (None,) * batch_ndim
+  if op == "ag":
+    f = lambda x, w: jaxflux.all_gather_matmul(x, w, "tp", impl="fused")  # noqa: E731
+    specs = (P(*b, "tp", None), P(None, "tp")), P(*b, None, "tp")
+  else:
+    f = lambda x, w: jaxflux.matmul_reduce_scatter(x, w, "tp", impl="fused")  # noqa: E731
+    specs = (P(*b, None, "tp"), P("tp", None)), P(*b, "tp", None)
+  return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs[0], out_specs=specs[1])), specs
+
+
+def check_op(op, name, x_shape, w_shape, dtype=jnp.bfloat16, grads=False):
+  """One fused op on fresh random operands against float32 NumPy (and its gradients)."""
+  seed = sum(x_shape) * 7 + sum(w_shape)
+  rng = np.random.default_rng(seed)
+  cast = lambda a: np.asarray(jnp.asarray(a, dtype).astype(jnp.float32))  # noqa: E731
+  x = cast(rng.standard_normal(x_shape, np.float32))
+  w = cast(rng.standard_normal(w_shape, np.float32) / np.sqrt(w_shape[0]))
+  f, ((x_spec, w_spec), out_spec) = op_fn(op, len(x_shape) - 2)
+  xs, ws = global_array(x.astype(dtype), x_spec), global_array(w.astype(dtype), w_spec)
+  tol = 1e-2 if dtype == jnp.bfloat16 else 5e-3
+  # Only this process's output slice: index (*batch, rows, cols) is x[*batch, rows] @ w[:, cols].
+  check(f"{op} {name}", f(xs, ws), lambda i: x[i[:-1] + (slice(None),)] @ w[:, i[-1]], tol)
+  if grads:
+    ct = rng.standard_normal(x_shape[:-1] + w_shape[-1:]).astype(np.float32)
+    loss = lambda x, w, ct: jnp.sum(f(x, w).astype(jnp.float32) * ct)  # noqa: E731
+    dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, ws, global_array(ct, out_spec))
+    check(f"{op} {name} gradient x", dx, ct @ w.T, tol)
+    check(f"{op} {name} gradient w", dw, np.einsum("...mk,...mn->kn", x, ct), tol)
+
+
+def run_matrix():
+  shapes = json.loads((pathlib.Path(__file__).resolve().parents[1] / "benchmarks" /
+                       "shapes.json").read_text())
+  m = 1024
+  for s in shapes["ag_gemm"]:
+    check_op("ag", f"{s['name']} M={m}", (m, s["K"]), (s["K"], s["N"]))
+  for s in shapes["gemm_rs"]:
+    check_op("rs", f"{s['name']} M={m}", (m, s["K"]), (s["K"], s["N"]))
+  # A partial big enough to be pushed in row chunks (the epilogue waits per chunk), where
+  # GEMM+RS also chooses ping-pong own rows (K_local 4096).
+  check_op("rs", "llama70b-out M=8192", (8192, 8192), (8192, 8192))
+  for dtype in (jnp.bfloat16, jnp.float16):
+    dt = jnp.dtype(dtype).name
+    # rows per rank not a multiple of the tile, one row per rank, batch dims, several chunks
+    for rows, k, n, batch in ((200, 256, 512, ()), (1, 64, 64, ()), (7, 96, 40, (2, 3)),
+                              (8192, 1024, 512, ())):
+      check_op("ag", f"{dt} rows/rank={rows} K={k} N={n} batch={batch}",
+               batch + (tp * rows, k), (k, n * tp), dtype)
+    for rows, k, n, batch in ((200, 256, 512, ()), (1, 64, 64, ()), (7, 96, 40, (2, 3)),
+                              (1024, 256, 2048, (2,))):
+      check_op("rs", f"{dt} rows/rank={rows} K={k} N={n} batch={batch}",
+               batch + (tp * rows, k * tp), (k * tp, n), dtype)
+  # Each op's backward runs the other fused op with the weight read transposed (K-major).
+  check_op("ag", "grads", (tp * 384, 1024), (1024, 512 * tp), grads=True)
+  check_op("rs", "grads", (tp * 384, 1024 * tp), (1024 * tp, 512), grads=True)
+  check_op("ag", "grads M=1024 llama70b-qkv", (1024, 8192), (8192, 10240), grads=True)
+  check_op("rs", "grads M=1024 llama70b-out", (1024, 8192), (8192, 8192), grads=True)
+
+
+def run_bad_schedule():
+  x, w = operands(7, 128 * tp, 256 * tp, 128)
+  try:
+    rs(bf16(x, P(None, "tp")), bf16(w, P("tp", None))).block_until_ready()
+    failures.append("a bad JAXFLUX_GEMM_RS_SCHEDULE did not fail the call")
+  except Exception as e:  # noqa: BLE001 - XLA wraps the handler's error in its own type
+    if "JAXFLUX_GEMM_RS_SCHEDULE must be unset, 'cooperative' or 'pingpong'" in str(e):
+      print("PASS bad schedule", flush=True)
+    else:
+      failures.append(f"unexpected error: {e}")
+
+
 def run_die():
   jaxflux.configure(timeout_s=5.0)
   x, w = operands(5, 128 * tp, 256, 128 * tp)
@@ -134,7 +232,15 @@ def run_die():
 if MODE == "check":
   with jax.set_mesh(mesh):
     run_check()
-  run_check_gathered_slots()
+  if not SHARED_GPU:  # its all-gather is an XLA collective: NCCL takes one rank per GPU
+    run_check_gathered_slots()
+  _runtime.check_errors()
+elif MODE == "badschedule":
+  with jax.set_mesh(mesh):  # the slot table from the mesh: no in-program all-gather (NCCL)
+    run_bad_schedule()
+elif MODE == "matrix":
+  with jax.set_mesh(mesh):
+    run_matrix()
   _runtime.check_errors()
 else:
   with jax.set_mesh(mesh):

@@ -60,8 +60,8 @@ def test_own_rows_modes_pass_c_only_when_named(monkeypatch):
   timeline = load_script(SCRIPT, "fused_timeline")
   seen = {}
 
-  def fake_own_rows(x, w, c=None, *, chunked=False, scheduler="fused"):
-    seen[mode] = (c is not None, chunked, scheduler)
+  def fake_own_rows(x, w, c=None, *, chunked=False, scheduler="fused", schedule="cooperative"):
+    seen[mode] = (c is not None, chunked, scheduler, schedule)
     return x @ w
 
   monkeypatch.setattr(gemm_module, "gemm_own_rows", fake_own_rows)
@@ -70,10 +70,14 @@ def test_own_rows_modes_pass_c_only_when_named(monkeypatch):
   w = jax.ShapeDtypeStruct((128, 64), jax.numpy.float32)
   for mode in timeline.OWN_ROWS_MODES:
     jax.eval_shape(timeline.fused_call("gemm_rs", mode, mesh), x, w)
-  assert seen == {"own_rows": (False, False, "fused"), "own_rows_c": (True, False, "fused"),
-                  "own_rows_chunked": (False, True, "fused"),
-                  "own_rows_c_chunked": (True, True, "fused"),
-                  "own_rows_c_chunked_cutlass_scheduler": (True, True, "cutlass")}
+  coop, pp = "cooperative", "pingpong"
+  assert seen == {"own_rows": (False, False, "fused", coop),
+                  "own_rows_c": (True, False, "fused", coop),
+                  "own_rows_chunked": (False, True, "fused", coop),
+                  "own_rows_c_chunked": (True, True, "fused", coop),
+                  "own_rows_c_chunked_cutlass_scheduler": (True, True, "cutlass", coop),
+                  "own_rows_c_pingpong": (True, False, "fused", pp),
+                  "own_rows_c_chunked_pingpong": (True, True, "fused", pp)}
 
 
 def test_gemm_summary_tells_the_schedulers_apart():

@@ -78,19 +78,22 @@ def test_unavailable_without_gpu():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("with_c", [True, False])
 @pytest.mark.parametrize("chunked", [False, True])
-@pytest.mark.parametrize("scheduler", ["fused", "cutlass"])
+@pytest.mark.parametrize("scheduler,schedule", [("fused", "cooperative"), ("fused", "pingpong"),
+                                                ("cutlass", "cooperative")])
 @pytest.mark.parametrize("x_shape,n", [
     ((2048, 1024), 2048),  # 4 chunks of 512 rows when chunked (tiles swept along N)
     ((1000, 264), 136),    # M, K, N not multiples of the tile
 ])
 def test_own_rows_kernel_alone_matches_float32_reference(dtype, with_c, chunked, scheduler,
-                                                         x_shape, n):
+                                                         schedule, x_shape, n):
   """GEMM+RS's own-rows kernel with communication off: x @ w + c, or x @ w without a source
   (then C is not read at all: an output left over from D's garbage would fail the check);
-  under the fused ops' scheduler, or CUTLASS's (the probe of what the scheduler costs)."""
+  under the fused ops' scheduler (cooperative or ping-pong tiles, the fused op's two), or
+  CUTLASS's (the probe of what the scheduler costs)."""
   x, w = gpu_util.operands(2, x_shape, (x_shape[-1], n), dtype)
   c = jax.random.normal(jax.random.key(3), x_shape[:-1] + (n,), jnp.float32).astype(dtype)
-  f = jax.jit(functools.partial(gemm_own_rows, chunked=chunked, scheduler=scheduler))
+  f = jax.jit(functools.partial(gemm_own_rows, chunked=chunked, scheduler=scheduler,
+                                schedule=schedule))
   got = f(x, w, c) if with_c else f(x, w)
   want = reference(x, w) + (c.astype(jnp.float32) if with_c else 0.0)
   assert got.shape == x_shape[:-1] + (n,) and got.dtype == dtype
@@ -103,6 +106,11 @@ def test_own_rows_kernel_checks_its_scheduler_at_trace_time():
   w = jax.ShapeDtypeStruct((16, 32), jnp.bfloat16)
   with pytest.raises(ValueError, match=r"scheduler must be one of \('fused', 'cutlass'\)"):
     jax.eval_shape(functools.partial(gemm_own_rows, scheduler="persistent"), x, w)
+  with pytest.raises(ValueError, match=r"schedule must be one of \('cooperative', 'pingpong'\)"):
+    jax.eval_shape(functools.partial(gemm_own_rows, schedule="ping-pong"), x, w)
+  with pytest.raises(ValueError, match=r"scheduler='cutlass' runs the cooperative schedule only"):
+    jax.eval_shape(functools.partial(gemm_own_rows, scheduler="cutlass", schedule="pingpong"),
+                   x, w)
 
 
 def test_own_rows_kernel_checks_c_at_trace_time():
@@ -116,11 +124,14 @@ def test_own_rows_kernel_checks_c_at_trace_time():
 
 def test_own_rows_variant_names_map_to_the_probe_arguments():
   from jaxflux.ops.gemm import own_rows_variant
-  assert own_rows_variant("own_rows") == (False, {"chunked": False, "scheduler": "fused"})
+  coop = {"scheduler": "fused", "schedule": "cooperative"}
+  assert own_rows_variant("own_rows") == (False, {"chunked": False, **coop})
   # "_chunked" holds "_c": chunked without C reads no C (sessions 9-10 passed one).
-  assert own_rows_variant("own_rows_chunked") == (False, {"chunked": True, "scheduler": "fused"})
+  assert own_rows_variant("own_rows_chunked") == (False, {"chunked": True, **coop})
   assert own_rows_variant("own_rows_c_chunked_cutlass_scheduler") == (
-      True, {"chunked": True, "scheduler": "cutlass"})
+      True, {"chunked": True, "scheduler": "cutlass", "schedule": "cooperative"})
+  assert own_rows_variant("own_rows_c_chunked_pingpong") == (
+      True, {"chunked": True, "scheduler": "fused", "schedule": "pingpong"})
   with pytest.raises(ValueError, match="'own_rows_chunked_c' is not one of"):
     own_rows_variant("own_rows_chunked_c")
 

@@ -1,6 +1,11 @@
 """The fused ops with one process per GPU (CUDA IPC workspace), 2 processes on one host:
 values, back-to-back calls and gradients against float32 NumPy, and a peer that dies mid-run.
-Skipped unless jaxflux.has_cuda() and at least 2 GPUs. See tests/multiprocess_gpu_worker.py."""
+Skipped unless jaxflux.has_cuda() and at least 2 GPUs. See tests/multiprocess_gpu_worker.py.
+
+The same with both processes on one GPU (`shared`): the ranks' kernels take turns on it, which
+runs the fused ops' whole cross-rank protocol (IPC-mapped workspace, pushes, flags, bounded
+waits) on a one-GPU machine, so a change to the fused kernels can be checked for correctness
+without two GPUs. Those tests need one GPU; they say nothing of speed."""
 import importlib.util
 import os
 import pathlib
@@ -18,23 +23,35 @@ WORKER = ROOT / "tests" / "multiprocess_gpu_worker.py"
 LAUNCHER = ROOT / "examples" / "launch_multiprocess.py"
 
 
-@pytest.fixture(scope="module")
-def launcher():
+def _load_launcher(min_gpus):
   import jax
-  if not jaxflux.has_cuda() or len(jax.devices("gpu")) < 2:
-    pytest.skip("needs at least 2 GPUs and a CUDA build of jaxflux")
+  if not jaxflux.has_cuda() or len(jax.devices("gpu")) < min_gpus:
+    pytest.skip(f"needs at least {min_gpus} GPU(s) and a CUDA build of jaxflux")
   spec = importlib.util.spec_from_file_location("launch_multiprocess", LAUNCHER)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
 
 
-def _run(launcher, tmp_path, mode, timeout):
+@pytest.fixture(scope="module")
+def launcher():
+  return _load_launcher(2)
+
+
+@pytest.fixture(scope="module")
+def one_gpu_launcher():
+  return _load_launcher(1)
+
+
+def _run(launcher, tmp_path, mode, timeout, shared=False, **env_vars):
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",  # this process holds the GPUs too
-             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+             **env_vars)
   port = str(launcher.free_port())  # one coordinator port for the whole group
-  commands = [[sys.executable, str(WORKER), port, "2", str(i), mode] for i in range(2)]
-  return run_group(launcher, commands, tmp_path, timeout, env=env, grace=30, name=mode)
+  commands = [[sys.executable, str(WORKER), port, "2", str(i), mode] + (["shared"] if shared else [])
+              for i in range(2)]
+  return run_group(launcher, commands, tmp_path, timeout, env=env, grace=30,
+                   name=mode + ("_shared" if shared else ""))
 
 
 def test_fused_ops_across_two_processes(launcher, tmp_path):
@@ -50,4 +67,41 @@ def test_fused_ops_across_two_processes(launcher, tmp_path):
 
 def test_a_dead_peer_fails_the_survivor_within_the_timeout(launcher, tmp_path):
   results = _run(launcher, tmp_path, "die", timeout=90)
+  assert results[0][0] == 0 and "PASS dead peer" in results[0][1], describe(results)
+
+
+def test_fused_ops_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path):
+  results = _run(one_gpu_launcher, tmp_path, "check", timeout=180, shared=True)
+  assert [code for code, _ in results] == [0, 0], describe(results)
+  for i, (_, out) in enumerate(results):
+    assert f"WORKER OK {i}" in out, describe(results)
+    for case in ("all_gather_matmul value", "matmul_reduce_scatter value", "gradient x",
+                 "gradient w"):
+      assert f"PASS {case}\n" in out, describe(results)
+    assert out.count("PASS back-to-back call") == 12, describe(results)
+
+
+@pytest.mark.parametrize("schedule", ["", "pingpong"])
+def test_fused_op_matrix_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path,
+                                                              schedule):
+  """Every benchmark shape at M=1024, odd shapes, batch dims, fp16 and both ops' gradients;
+  GEMM+RS's own rows under its own choice of schedule (cooperative on all of these but the one
+  chunked partial, llama70b-out M=8192, where it chooses ping-pong), then forced ping-pong."""
+  results = _run(one_gpu_launcher, tmp_path, "matrix", timeout=300, shared=True,
+                 JAXFLUX_GEMM_RS_SCHEDULE=schedule)
+  assert [code for code, _ in results] == [0, 0], describe(results)
+  for i, (_, out) in enumerate(results):
+    assert f"WORKER OK {i}" in out and "FAIL" not in out, describe(results)
+    assert out.count("PASS ag ") == 18 and out.count("PASS rs ") == 19, describe(results)
+
+
+def test_a_bad_schedule_knob_fails_the_call_on_every_rank(one_gpu_launcher, tmp_path):
+  results = _run(one_gpu_launcher, tmp_path, "badschedule", timeout=120, shared=True,
+                 JAXFLUX_GEMM_RS_SCHEDULE="ping-pong")
+  assert [code for code, _ in results] == [0, 0], describe(results)
+  assert all("PASS bad schedule" in out for _, out in results), describe(results)
+
+
+def test_a_dead_peer_sharing_one_gpu_fails_the_survivor(one_gpu_launcher, tmp_path):
+  results = _run(one_gpu_launcher, tmp_path, "die", timeout=90, shared=True)
   assert results[0][0] == 0 and "PASS dead peer" in results[0][1], describe(results)

@@ -64,3 +64,27 @@ def test_own_rows_variants_are_the_kernels_own():
   from jaxflux.ops.gemm import OWN_ROWS_VARIANTS
   ncu = load_script(SCRIPT, "ncu_gemms")
   assert {v for v in ncu.VARIANTS if v.startswith("own_rows")} == set(OWN_ROWS_VARIANTS)
+
+
+def test_time_reports_medians_and_ratios_to_the_first_variant():
+  ncu = load_script(SCRIPT, "ncu_gemms")
+  rows = ncu.report_times({"a": [10.0, 12.0, 11.0], "b": [22.0, 20.0, 30.0]})
+  assert [r["variant"] for r in rows] == ["a", "b"]
+  assert rows[0]["median_us"] == 11.0 and rows[0]["ratio_to_first"] == 1.0
+  assert rows[1]["median_us"] == 22.0 and rows[1]["min_us"] == 20.0
+  assert rows[1]["ratio_to_first"] == pytest.approx(2.0)
+
+
+def test_time_runs_on_cpu_and_records_its_command(tmp_path, capsys):
+  import json
+  ncu = load_script(SCRIPT, "ncu_gemms")
+  out = tmp_path / "t.json"
+  argv = ["time", "cublas", "16", "32", "8", "--calls", "2", "--rounds", "3", "--json", str(out)]
+  ncu.main(argv)
+  ncu.main(argv)  # a second shape (here the same) appends to the file
+  assert "16x32x8, 3 rounds of 2 calls" in capsys.readouterr().out
+  results = json.loads(out.read_text())
+  assert len(results) == 2 and results[0]["command"] == "benchmarks/ncu_gemms.py " + " ".join(argv)
+  assert len(results[0]["round_times_us"]["cublas"]) == 3
+  with pytest.raises(SystemExit, match="unknown variant"):
+    ncu.main(["time", "cublas,nope", "16", "32", "8"])

@@ -79,9 +79,11 @@ def gemm(x, w, *, tile_order: str = "cutlass", config: str | None = None, owners
 
 
 OWN_ROWS_SCHEDULERS = ("fused", "cutlass")
+OWN_ROWS_SCHEDULES = ("cooperative", "pingpong")
 
 
-def gemm_own_rows(x, w, c=None, *, chunked: bool = False, scheduler: str = "fused"):
+def gemm_own_rows(x, w, c=None, *, chunked: bool = False, scheduler: str = "fused",
+                  schedule: str = "cooperative"):
   """x [..., M, K] @ w [K, N] (+ c [..., M, N]) with the fused GEMM+ReduceScatter's own-rows
   kernel alone (tp = 2's epilogue reduction, communication off: no peer, no waits).
 
@@ -91,10 +93,17 @@ def gemm_own_rows(x, w, c=None, *, chunked: bool = False, scheduler: str = "fuse
   chunked: sweep the tiles along N, as the fused op does when the partial lands in row chunks.
   scheduler: "fused" (the fused ops' tile scheduler, as in the fused op) or "cutlass" (the same
   GEMM, tile order and epilogue under CUTLASS's own scheduler): what the scheduler itself costs.
+  schedule: "cooperative" (128x256 tiles) or "pingpong" (128x128 tiles, the two consumer warp
+  groups alternating tiles), the two the fused op chooses from (JAXFLUX_GEMM_RS_SCHEDULE).
   """
   op = "gemm_own_rows"
   if scheduler not in OWN_ROWS_SCHEDULERS:
     raise ValueError(f"{op}: scheduler must be one of {OWN_ROWS_SCHEDULERS}; got {scheduler!r}.")
+  if schedule not in OWN_ROWS_SCHEDULES:
+    raise ValueError(f"{op}: schedule must be one of {OWN_ROWS_SCHEDULES}; got {schedule!r}.")
+  if scheduler == "cutlass" and schedule != "cooperative":
+    raise ValueError(f"{op}: scheduler='cutlass' runs the cooperative schedule only; pass "
+                     "schedule='cooperative' or scheduler='fused'.")
   _, n = _check_operands(op, x, w)
   out_shape = x.shape[:-1] + (n,)
   if c is not None and (tuple(c.shape) != out_shape or c.dtype != x.dtype):
@@ -103,14 +112,15 @@ def gemm_own_rows(x, w, c=None, *, chunked: bool = False, scheduler: str = "fuse
   source = c if c is not None else jax.numpy.zeros((8,), x.dtype)  # not read without c
   return _kernel_call(op, "jaxflux_gemm_own_rows", jax.ShapeDtypeStruct(out_shape, x.dtype),
                       x, w, source, with_c=c is not None, chunked=chunked,
-                      cutlass_scheduler=scheduler == "cutlass")
+                      cutlass_scheduler=scheduler == "cutlass", pingpong=schedule == "pingpong")
 
 
 # The own-rows kernel's measured variants by name, as the benchmark scripts
 # (benchmarks/ncu_gemms.py, benchmarks/fused_timeline.py) spell them:
-# own_rows[_c][_chunked][_cutlass_scheduler].
+# own_rows[_c][_chunked][_cutlass_scheduler|_pingpong].
 OWN_ROWS_VARIANTS = ("own_rows", "own_rows_c", "own_rows_chunked", "own_rows_c_chunked",
-                     "own_rows_c_chunked_cutlass_scheduler")
+                     "own_rows_c_chunked_cutlass_scheduler", "own_rows_c_pingpong",
+                     "own_rows_c_chunked_pingpong")
 
 
 def own_rows_variant(name: str) -> tuple[bool, dict]:
@@ -120,7 +130,8 @@ def own_rows_variant(name: str) -> tuple[bool, dict]:
     raise ValueError(f"own-rows variant {name!r} is not one of {OWN_ROWS_VARIANTS}.")
   words = name.split("_")  # by word: "_c" is also in "_chunked"
   return "c" in words, {"chunked": "chunked" in words,
-                        "scheduler": "cutlass" if "scheduler" in words else "fused"}
+                        "scheduler": "cutlass" if "scheduler" in words else "fused",
+                        "schedule": "pingpong" if "pingpong" in words else "cooperative"}
 
 
 __all__ = ["gemm", "gemm_own_rows"]

@@ -163,11 +163,12 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
 // may be any array). with_c = 1 against 0 is what reading the peer's partial as C costs that
 // GEMM, apart from the pushes that run beside it in the fused op; chunked = 1 sweeps the tiles
 // along N as the fused op does when the partial lands in row chunks (PlanEvenChunks);
-// cutlass_scheduler = 1 runs the same GEMM and epilogue under CUTLASS's own scheduler instead.
+// cutlass_scheduler = 1 runs the same GEMM and epilogue under CUTLASS's own scheduler instead;
+// pingpong = 1 the ping-pong 128x128 tiles instead of cooperative 128x256 (RsGemmProblem).
 ffi::Error GemmOwnRowsExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
                               ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer c,
                               ffi::Result<ffi::AnyBuffer> d, int64_t with_c, int64_t chunked,
-                              int64_t cutlass_scheduler) {
+                              int64_t cutlass_scheduler, int64_t pingpong) {
   int64_t m = 0, n = 0, k = 0;
   bool done = false;
   if (ffi::Error e = CheckOperands(stream, a, b, d, &m, &n, &k, &done); e.failure() || done) {
@@ -186,6 +187,7 @@ ffi::Error GemmOwnRowsExecute(cudaStream_t stream, int32_t device, ffi::ScratchA
   own.c = with_c != 0 ? c.untyped_data() : nullptr;
   own.wait_for_flags = 0;
   own.cutlass_scheduler = cutlass_scheduler != 0 ? 1 : 0;
+  own.pingpong = pingpong != 0 ? 1 : 0;
   own.wait.tp = 1;
   own.wait.rows_per_shard = static_cast<int>(m);
   own.wait.chunk_ends[0] = static_cast<int>(m);  // one chunk: CUTLASS's tile order
@@ -193,7 +195,6 @@ ffi::Error GemmOwnRowsExecute(cudaStream_t stream, int32_t device, ffi::ScratchA
     const PushChunks chunks = PlanEvenChunks(static_cast<size_t>(m));
     SetChunkEnds(&own.wait, chunks.ends, chunks.count);
   }
-  own.wait.epilogue_load_only = 1;
   void* workspace = nullptr;
   if (ffi::Error e = AllocateWorkspace(scratch, RsGemmSm90WorkspaceBytes(which, own), &workspace);
       e.failure()) {
@@ -230,4 +231,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()                     // d: [..., M, N]
         .Attr<int64_t>("with_c")                        // 1: D = A·B + C; 0: D = A·B
         .Attr<int64_t>("chunked")                       // 1: tiles along N, as for chunks
-        .Attr<int64_t>("cutlass_scheduler"));           // 1: CUTLASS's scheduler (probe)
+        .Attr<int64_t>("cutlass_scheduler")             // 1: CUTLASS's scheduler (probe)
+        .Attr<int64_t>("pingpong"));                    // 1: ping-pong 128x128 tiles

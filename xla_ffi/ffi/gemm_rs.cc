@@ -184,6 +184,41 @@ bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k, si
   }
 }
 
+// The own-rows GEMM's schedule (RsGemmProblem::pingpong). Ping-pong 128x128 tiles overlap one
+// consumer warp group's epilogue (the C read: the peer's partial) with the other's mainloop,
+// where cooperative 128x256 tiles stall both groups on it. Measured on the own-rows kernel alone
+// with C (1xH200, sessions 11-12, benchmarks/README.md): ping-pong is faster with the tiles
+// swept along N (the partial pushed in chunks) at K_local <= 8192, slower at K_local 24576
+// (its narrower tiles re-read B from HBM), in CUTLASS's raster order (the partial pushed
+// whole) and at K_local 14336 within noise; hence chunks and K_local <= kPingpongMaxK.
+// JAXFLUX_GEMM_RS_SCHEDULE=cooperative|pingpong forces one (tests, measurement).
+constexpr size_t kPingpongMaxK = 8192;
+
+enum class Schedule { kChoose, kCooperative, kPingpong, kInvalid };
+
+Schedule ForcedSchedule() {
+  static const Schedule forced = [] {
+    const char* env = std::getenv("JAXFLUX_GEMM_RS_SCHEDULE");
+    if (env == nullptr || *env == '\0') return Schedule::kChoose;
+    const std::string v(env);
+    return v == "cooperative" ? Schedule::kCooperative
+           : v == "pingpong"  ? Schedule::kPingpong
+                              : Schedule::kInvalid;
+  }();
+  return forced;
+}
+
+bool OwnRowsPingpong(int chunk_count, size_t k) {
+  switch (ForcedSchedule()) {
+    case Schedule::kCooperative:
+      return false;
+    case Schedule::kPingpong:
+      return true;
+    default:
+      return chunk_count > 1 && k <= kPingpongMaxK;
+  }
+}
+
 static_assert(kAgGemmMaxChunks == kMaxChunks, "the kernel's chunk_ends hold one push's chunks");
 static_assert(kPushMaxChunks == kMaxChunks, "a push plan's chunks are flagged e*kMaxChunks + c + 1");
 
@@ -208,6 +243,11 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   Shapes s;
   if (ffi::Error e = CheckInputs(x, w, rank_info, *z, tp, transpose_w, &s); e.failure()) {
     return e;
+  }
+  if (ForcedSchedule() == Schedule::kInvalid) {  // before any rank takes part
+    return ffi::Error::InvalidArgument(
+        "jaxflux matmul_reduce_scatter: JAXFLUX_GEMM_RS_SCHEDULE must be unset, 'cooperative' "
+        "or 'pingpong'; got '" + std::string(std::getenv("JAXFLUX_GEMM_RS_SCHEDULE")) + "'");
   }
   if (reduce_mode < 0 || reduce_mode > 2 ||
       (static_cast<ReduceMode>(reduce_mode) == ReduceMode::kEpilogue && tp != 2)) {
@@ -288,7 +328,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     wait.tp = 1;
     wait.op = static_cast<int32_t>(OpCode::kMatmulReduceScatter);
     wait.source_ranks[0] = peer;
-    wait.epilogue_load_only = 1;
+    own.pingpong = OwnRowsPingpong(chunks.count, s.k) ? 1 : 0;
   }
   void* gemm_workspace = nullptr;
   if (const size_t bytes = std::max(GemmSm90WorkspaceBytes(s.dtype, problem),

@@ -7,13 +7,15 @@
 //      ordered after the flag acquire (generic proxy).
 // Only the producer warp group waits (one lane per warp polls, the warp then syncs): the
 // consumer warp groups ask for the same tiles but block on the shared-memory pipeline that the
-// producer fills after its wait, so they need no flag of their own.
+// producer fills after its wait, so they need no flag of their own. (GEMM+ReduceScatter's
+// own-rows kernel uses this scheduler for its tile order only: its wait, on C, is its
+// epilogue's, rs_epilogue_sm90.cuh.)
 #pragma once
 
 #include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 #include "xla_ffi/kernels/ag_gemm_sm90.h"
-#include "xla_ffi/runtime/wait.cuh"
+#include "xla_ffi/kernels/gemm_wait_sm90.cuh"
 
 namespace jaxflux {
 
@@ -96,7 +98,7 @@ class AgGemmScheduler : public cutlass::gemm::kernel::detail::PersistentTileSche
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
     if (params_->wait_for_flags && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
-      CheckRank(params_->wait);
+      gemm_wait::CheckRank(params_->wait);
     }
     return get_current_work();
   }
@@ -111,101 +113,20 @@ class AgGemmScheduler : public cutlass::gemm::kernel::detail::PersistentTileSche
     return fetch_next_work(info);
   }
 
-  // CUTLASS's epilogue hook, asked with each tile right before its C is loaded (by the producer
-  // warp that loads C) and before its D is stored (by the consumers). With epilogue_load_only,
-  // the C-load warp waits here rather than when it fetches the tile: the first fetch happens
-  // before the kernel's register reallocation (setmaxnreg), which the consumers' own must wait
-  // for, so a wait there would hold back the mainloop's math as well.
-  CUTLASS_HOST_DEVICE static bool compute_epilogue(WorkTileInfo const& work, Params const& params) {
-#if defined(__CUDA_ARCH__)
-    if (params.wait_for_flags && params.wait.epilogue_load_only &&
-        threadIdx.x / 32 == kEpilogueLoadWarp) {
-      WaitForRows(params.wait, params.total_rows, work.M_idx * kTileM);
-    }
-#endif
-    return true;
-  }
-
  private:
   CUTLASS_DEVICE WorkTileInfo Prepare(WorkTileInfo work) const {
     if (!work.is_valid()) return work;
     const Params& p = *params_;
     work.M_idx = (work.M_idx + p.tile_shift) % p.tiles_m;
-    // The producer warp group waits before it loads the tile's A (AllGather+GEMM); with
-    // epilogue_load_only the wait is compute_epilogue's.
-    if (p.wait_for_flags && !p.wait.epilogue_load_only && threadIdx.x < kProducerThreads) {
-      WaitForRows(p.wait, p.total_rows, work.M_idx * kTileM);
+    // The producer warp group waits before it loads the tile's A (AllGather+GEMM).
+    if (p.wait_for_flags && threadIdx.x < kProducerThreads) {
+      gemm_wait::WaitForRows(p.wait, p.total_rows, work.M_idx * kTileM, kTileM);
     }
     return work;
   }
 
-  // Threads [0, 128) are the producer warp group of CUTLASS's sm90 warp-specialized kernels;
-  // its warp 2 loads the epilogue's source C (ProducerWarpRole::Epilogue of the cooperative
-  // kernel, the only one the fused GEMM+ReduceScatter instantiates with a C).
+  // Threads [0, 128) are the producer warp group of CUTLASS's sm90 warp-specialized kernels.
   static constexpr int kProducerThreads = 128;
-  static constexpr int kEpilogueLoadWarp = 2;
-
-  // Waits (the calling warp) for the chunks behind rows [row0, row0 + kTileM) of A, or of C.
-  CUTLASS_DEVICE static void WaitForRows(AgGemmWait const& w, int total_rows, int row0) {
-    const int end = min(row0 + kTileM, total_rows);
-    const int m = w.rows_per_shard;
-    for (int row = row0; row < end;) {
-      const int in_batch = row % (w.tp * m);
-      const int source = in_batch / m;
-      const int local = in_batch % m;
-      int chunk = 0;
-      while (chunk < kAgGemmMaxChunks - 1 && local >= w.chunk_ends[chunk]) ++chunk;
-      Wait(w, source, chunk);
-      row += min(m, w.chunk_ends[chunk]) - local;  // next chunk or shard boundary
-    }
-    if (row0 < end) asm volatile("fence.proxy.async.global;" ::: "memory");
-  }
-
-  CUTLASS_DEVICE static void Wait(AgGemmWait const& w, int source, int chunk) {
-    const unsigned lanes = __activemask();
-    if ((threadIdx.x & 31) == __ffs(lanes) - 1) Poll(w, source, chunk);
-    __syncwarp(lanes);  // orders the other lanes after the leader's acquire
-  }
-
-  CUTLASS_DEVICE static void Poll(AgGemmWait const& w, int source, int chunk) {
-    const uint64_t* flag = w.flags[source];
-    const uint64_t target = w.flag_base + static_cast<uint64_t>(chunk) + 1;
-    uint64_t seen = device::LoadAcquireSys(flag);
-    if (seen >= target) return;
-    const uint64_t start = device::GlobalTimerNs();
-    for (uint32_t spins = 1; seen < target; ++spins) {
-      if ((spins & 63u) == 0) {
-        // Stop soon after any wait has failed (the results are void anyway), so a dead peer
-        // costs one timeout, not one per tile. The record is host memory: read over PCIe by
-        // every spinning CTA, often, it slowed the peer's copy-engine push into this GPU 19-24x
-        // (a 64 MiB push took 3.2-4.2 ms, not 0.17: benchmarks/README.md), so only every 4096th.
-        if ((spins & 4095u) == 0 && w.error != nullptr &&
-            *reinterpret_cast<volatile int32_t*>(&w.error->ready)) {
-          return;
-        }
-        if (device::GlobalTimerNs() - start > w.timeout_ns) {
-          device::RecordError(w.error, ErrorKind::kTimeout, w.op, w.device, w.rank,
-                              w.source_ranks[source], w.group, target, seen, w.epoch,
-                              w.timeout_ns);
-          return;
-        }
-      }
-      __nanosleep(128);
-      seen = device::LoadAcquireSys(flag);
-    }
-  }
-
-  // The rank cached at discovery must match this program's operand, or data lands in the wrong
-  // rows (see docs/runtime.md, "site" rank cache).
-  CUTLASS_DEVICE static void CheckRank(AgGemmWait const& w) {
-    if (w.rank_info == nullptr) return;
-    const int32_t rank = w.rank_info[0];
-    const int32_t group = w.rank_info[1];
-    if (rank != w.rank || group != w.group) {
-      device::RecordError(w.error, ErrorKind::kRankMismatch, w.op, w.device, w.rank, rank, group,
-                          0, 0, w.epoch, 0);
-    }
-  }
 
   Params const* params_;
 };

@@ -40,10 +40,6 @@ struct AgGemmWait {
   // What a timed-out wait reports: the op (OpCode) and, per source, the rank it waited for.
   int32_t op = static_cast<int32_t>(OpCode::kAllGatherMatmul);
   int32_t source_ranks[kAgGemmMaxRanks] = {0, 1, 2, 3, 4, 5, 6, 7};
-  // 0: the whole producer warp group waits before loading a tile (A's rows are still arriving).
-  // 1: only the warp that loads the epilogue's source C waits (A and B are local; C is not: the
-  //    fused GEMM+ReduceScatter's peer partials, see rs_gemm_sm90.h).
-  int32_t epilogue_load_only = 0;
 };
 
 // The CUTLASS kernel shapes compiled for the fused kernel (tile MxN, K step 64; cluster MxN;

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
 #include <mutex>
 
 namespace jaxflux {
@@ -18,6 +19,20 @@ inline int SmCount(int device) {
     cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device);
   }
   return counts[device];
+}
+
+// SMs the persistent GEMMs size their grid by: all of the device's, or fewer with
+// JAXFLUX_GEMM_SMS=n (test and measurement knob). Fewer leave SMs free for kernels of other
+// streams; the tests that run two ranks on one GPU need that (tests/multiprocess_gpu_worker.py):
+// a copy between two buffers of one device runs as a kernel, which a GEMM holding every SM
+// while it waits for that very copy would starve until its wait timed out.
+inline int GridSms(int device) {
+  static const int limit = [] {
+    const char* env = std::getenv("JAXFLUX_GEMM_SMS");
+    return env != nullptr ? std::atoi(env) : 0;
+  }();
+  const int sms = SmCount(device);
+  return limit > 0 && limit < sms ? limit : sms;
 }
 
 }  // namespace jaxflux

@@ -42,12 +42,18 @@ using DefaultTiles = TileConfig<128, 256, 2, 1, false>;
 using NMajorB = cutlass::layout::RowMajor;
 using KMajorB = cutlass::layout::ColumnMajor;
 
+// CUTLASS's epilogue as built (the default EpilogueWrap of Config).
+template <class Epilogue, int kTileM>
+using PlainEpilogue = Epilogue;
+
 // SchedulerTag: void = CUTLASS's static persistent scheduler (GEMM-only op); the fused ops plug
 // in their own (ag_gemm_scheduler_sm90.cuh). ElementC: void = no source operand (D = A·B);
 // Element = D = A·B + C (the fused GEMM+ReduceScatter's own rows, rs_gemm_sm90.cuh).
-// LayoutB: NMajorB or KMajorB (GemmProblem::b_kmajor).
+// LayoutB: NMajorB or KMajorB (GemmProblem::b_kmajor). EpilogueWrap<CUTLASS's epilogue, tile
+// rows>: the epilogue the kernel runs (GEMM+ReduceScatter's waits for C: rs_epilogue_sm90.cuh).
 template <class Element_, class SchedulerTag = void, class Tiles = DefaultTiles,
-          class ElementC = void, class LayoutB = NMajorB>
+          class ElementC = void, class LayoutB = NMajorB,
+          template <class, int> class EpilogueWrap = PlainEpilogue>
 struct Config {
   using Element = Element_;
   using Layout = cutlass::layout::RowMajor;  // A [M,K], C and D [M,N]
@@ -56,10 +62,12 @@ struct Config {
   using Cluster = typename Tiles::Cluster;
 
   // D = alpha·A·B + beta·C, fp32 math; with ElementC = void no C is read.
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, Layout, kAlign,
-      Element, Layout, kAlign, typename Tiles::EpilogueSchedule>::CollectiveOp;
+  using Epilogue = EpilogueWrap<
+      typename cutlass::epilogue::collective::CollectiveBuilder<
+          cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+          cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, Layout, kAlign,
+          Element, Layout, kAlign, typename Tiles::EpilogueSchedule>::CollectiveOp,
+      cute::get<0>(Tile{})>;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, Layout, kAlign, Element,
@@ -105,13 +113,19 @@ typename C::Gemm::Arguments MakeArguments(const GemmProblem& p) {
   }
   cutlass::KernelHardwareInfo hw;
   hw.device_id = p.device;
-  hw.sm_count = SmCount(p.device);
+  hw.sm_count = GridSms(p.device);
   typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {p.m, p.n, p.k, p.batch},
       {static_cast<const Element*>(p.a), stride_a, static_cast<const Element*>(p.b), stride_b},
-      {{1.0f, 0.0f}, nullptr, stride_d, static_cast<Element*>(p.d), stride_d},
+      {},  // the epilogue's, set below by name (Config's EpilogueWrap may extend them)
       hw};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = stride_d;
+  args.epilogue.ptr_D = static_cast<Element*>(p.d);
+  args.epilogue.dD = stride_d;
   args.scheduler.max_swizzle_size = PlainSwizzle();  // the fused ops set their own
   return args;
 }

@@ -1,19 +1,24 @@
 // The own-rows GEMM of the fused GEMM+ReduceScatter (rs_gemm_sm90.h): the sm90 GEMM of
-// gemm_sm90.cuh with a source operand C and the fused ops' tile scheduler, whose waits are
-// limited to the warp that loads C. One .cu per element type instantiates it.
+// gemm_sm90.cuh with a source operand C, the fused ops' tile scheduler (for its tile order) and
+// an epilogue that waits for C's rows before loading them (rs_epilogue_sm90.cuh). One .cu per
+// element type instantiates it.
 #pragma once
 
 #include "xla_ffi/kernels/ag_gemm_scheduler_sm90.cuh"
 #include "xla_ffi/kernels/gemm_sm90.cuh"
+#include "xla_ffi/kernels/rs_epilogue_sm90.cuh"
 #include "xla_ffi/kernels/rs_gemm_sm90.h"
 
 namespace jaxflux::rs_gemm_sm90 {
 
-// The default tile config (cooperative 128x256, 2x1 clusters): its producer warp 2 loads C,
-// which is what the scheduler's epilogue_load_only wait assumes.
-template <class Element, class LayoutB>
-using Config =
-    gemm_sm90::Config<Element, AgGemmSchedulerTag, gemm_sm90::DefaultTiles, Element, LayoutB>;
+// The two tile configs (RsGemmProblem::pingpong picks): cooperative 128x256 with 2x1 clusters
+// (the plain GEMM's), and ping-pong 128x128 2x1, whose two consumer warp groups alternate tiles
+// so that one's epilogue (the C read) overlaps the other's mainloop.
+using PingpongTiles = gemm_sm90::TileConfig<128, 128, 2, 1, true>;
+
+template <class Element, class LayoutB, class Tiles = gemm_sm90::DefaultTiles>
+using Config = gemm_sm90::Config<Element, AgGemmSchedulerTag, Tiles, Element, LayoutB,
+                                 WaitingEpilogue>;
 
 // Swizzle of the own-rows tile order (CUTLASS max_swizzle_size, see ag_gemm_sm90.cuh). Along N
 // with no swizzle, each wave of tiles spans all of B and re-reads it from HBM; with 4, bands of
@@ -28,9 +33,9 @@ inline int Swizzle(int rows, int cluster_rows) {
   return rows >= 2 * 4 * cluster_rows ? 4 : 1;  // two bands of 4 cluster rows of tiles
 }
 
-template <class Element, class LayoutB>
-typename Config<Element, LayoutB>::Gemm::Arguments MakeArguments(const RsGemmProblem& p) {
-  using C = Config<Element, LayoutB>;
+template <class Element, class LayoutB, class Tiles>
+typename Config<Element, LayoutB, Tiles>::Gemm::Arguments MakeArguments(const RsGemmProblem& p) {
+  using C = Config<Element, LayoutB, Tiles>;
   constexpr int kTileM = cute::get<0>(typename C::Tile{});
   constexpr int kTileN = cute::get<1>(typename C::Tile{});
   constexpr int kClusterM = cute::get<0>(typename C::Cluster{});
@@ -47,12 +52,14 @@ typename Config<Element, LayoutB>::Gemm::Arguments MakeArguments(const RsGemmPro
     s.raster_order = Options::AlongN;
   }
   s.max_swizzle_size = Swizzle(p.gemm.m, kClusterM * kTileM);
-  s.wait = p.wait;
-  s.wait_for_flags = p.wait_for_flags;
+  s.wait_for_flags = 0;  // the scheduler only orders the tiles; the epilogue waits for C
   s.tiles_m = C::Kernel::TileScheduler::template LinearTilesM<kTileN, kClusterM, kClusterN>(
       p.gemm.m, p.gemm.n, s.max_swizzle_size);
   s.tile_shift = 0;
   s.total_rows = p.gemm.m;
+  args.epilogue.wait = p.wait;
+  args.epilogue.wait_for_flags = p.c != nullptr ? p.wait_for_flags : 0;
+  args.epilogue.total_rows = p.gemm.m;
   return args;
 }
 
@@ -78,38 +85,54 @@ typename PlainSchedulerConfig<Element>::Gemm::Arguments MakePlainSchedulerArgume
   return args;
 }
 
-template <class Element, class LayoutB>
+template <class Element, class LayoutB, class Tiles>
 size_t WorkspaceBytesOf(const RsGemmProblem& p) {
-  return Config<Element, LayoutB>::Gemm::get_workspace_size(MakeArguments<Element, LayoutB>(p));
+  return Config<Element, LayoutB, Tiles>::Gemm::get_workspace_size(
+      MakeArguments<Element, LayoutB, Tiles>(p));
+}
+
+template <class Element, class LayoutB, class Tiles>
+const char* RunOf(const RsGemmProblem& p, void* workspace, cudaStream_t stream) {
+  return gemm_sm90::Launch<Config<Element, LayoutB, Tiles>>(
+      MakeArguments<Element, LayoutB, Tiles>(p), workspace, stream);
+}
+
+// The schedule's tiles (RsGemmProblem::pingpong), then B's layout.
+template <class Element, class LayoutB>
+size_t WorkspaceBytesOfLayout(const RsGemmProblem& p) {
+  return p.pingpong ? WorkspaceBytesOf<Element, LayoutB, PingpongTiles>(p)
+                    : WorkspaceBytesOf<Element, LayoutB, gemm_sm90::DefaultTiles>(p);
 }
 
 template <class Element, class LayoutB>
-const char* RunOf(const RsGemmProblem& p, void* workspace, cudaStream_t stream) {
-  return gemm_sm90::Launch<Config<Element, LayoutB>>(MakeArguments<Element, LayoutB>(p),
-                                                     workspace, stream);
+const char* RunOfLayout(const RsGemmProblem& p, void* workspace, cudaStream_t stream) {
+  return p.pingpong ? RunOf<Element, LayoutB, PingpongTiles>(p, workspace, stream)
+                    : RunOf<Element, LayoutB, gemm_sm90::DefaultTiles>(p, workspace, stream);
 }
 
 // B's layout from the problem (GemmProblem::b_kmajor); the probe's scheduler if asked for.
 template <class Element>
 size_t WorkspaceBytes(const RsGemmProblem& p) {
   if (p.cutlass_scheduler != 0) {
-    if (p.gemm.b_kmajor) return 0;  // Run reports it
+    if (p.gemm.b_kmajor || p.pingpong) return 0;  // Run reports it
     return PlainSchedulerConfig<Element>::Gemm::get_workspace_size(
         MakePlainSchedulerArguments<Element>(p));
   }
-  return p.gemm.b_kmajor ? WorkspaceBytesOf<Element, gemm_sm90::KMajorB>(p)
-                         : WorkspaceBytesOf<Element, gemm_sm90::NMajorB>(p);
+  return p.gemm.b_kmajor ? WorkspaceBytesOfLayout<Element, gemm_sm90::KMajorB>(p)
+                         : WorkspaceBytesOfLayout<Element, gemm_sm90::NMajorB>(p);
 }
 
 template <class Element>
 const char* Run(const RsGemmProblem& p, void* workspace, cudaStream_t stream) {
   if (p.cutlass_scheduler != 0) {
-    if (p.gemm.b_kmajor) return "the CUTLASS-scheduler probe takes an N-major weight only";
+    if (p.gemm.b_kmajor || p.pingpong) {
+      return "the CUTLASS-scheduler probe takes an N-major weight and the cooperative schedule";
+    }
     return gemm_sm90::Launch<PlainSchedulerConfig<Element>>(
         MakePlainSchedulerArguments<Element>(p), workspace, stream);
   }
-  return p.gemm.b_kmajor ? RunOf<Element, gemm_sm90::KMajorB>(p, workspace, stream)
-                         : RunOf<Element, gemm_sm90::NMajorB>(p, workspace, stream);
+  return p.gemm.b_kmajor ? RunOfLayout<Element, gemm_sm90::KMajorB>(p, workspace, stream)
+                         : RunOfLayout<Element, gemm_sm90::NMajorB>(p, workspace, stream);
 }
 
 }  // namespace jaxflux::rs_gemm_sm90

@@ -1,0 +1,78 @@
+// The fused GEMMs' bounded waits on a peer's data (AgGemmWait), shared by the AllGather+GEMM's
+// tile scheduler (it waits for A's rows before loading a tile) and GEMM+ReduceScatter's
+// epilogue (it waits for the peer's partial, its source C, before loading a tile's C). A warp
+// calls them together: one lane polls the flag, the warp then syncs.
+#pragma once
+
+#include "cutlass/cutlass.h"
+#include "xla_ffi/kernels/ag_gemm_sm90.h"
+#include "xla_ffi/runtime/wait.cuh"
+
+namespace jaxflux::gemm_wait {
+
+CUTLASS_DEVICE void Poll(AgGemmWait const& w, int source, int chunk) {
+  const uint64_t* flag = w.flags[source];
+  const uint64_t target = w.flag_base + static_cast<uint64_t>(chunk) + 1;
+  uint64_t seen = device::LoadAcquireSys(flag);
+  if (seen >= target) return;
+  const uint64_t start = device::GlobalTimerNs();
+  for (uint32_t spins = 1; seen < target; ++spins) {
+    if ((spins & 63u) == 0) {
+      // Stop soon after any wait has failed (the results are void anyway), so a dead peer
+      // costs one timeout, not one per tile. The record is host memory: read over PCIe by
+      // every spinning CTA, often, it slowed the peer's copy-engine push into this GPU 19-24x
+      // (a 64 MiB push took 3.2-4.2 ms, not 0.17: benchmarks/README.md), so only every 4096th.
+      if ((spins & 4095u) == 0 && w.error != nullptr &&
+          *reinterpret_cast<volatile int32_t*>(&w.error->ready)) {
+        return;
+      }
+      if (device::GlobalTimerNs() - start > w.timeout_ns) {
+        device::RecordError(w.error, ErrorKind::kTimeout, w.op, w.device, w.rank,
+                            w.source_ranks[source], w.group, target, seen, w.epoch,
+                            w.timeout_ns);
+        return;
+      }
+    }
+    __nanosleep(128);
+    seen = device::LoadAcquireSys(flag);
+  }
+}
+
+// The calling warp waits until chunk `chunk` of source `source` has landed.
+CUTLASS_DEVICE void Wait(AgGemmWait const& w, int source, int chunk) {
+  const unsigned lanes = __activemask();
+  if ((threadIdx.x & 31) == __ffs(lanes) - 1) Poll(w, source, chunk);
+  __syncwarp(lanes);  // orders the other lanes after the leader's acquire
+}
+
+// The calling warp waits for the chunks behind rows [row0, row0 + tile_rows) of the waited-for
+// operand (rows past total_rows are not waited for), then fences the async proxy so that the
+// TMA loads that follow are ordered after the flag acquire.
+CUTLASS_DEVICE void WaitForRows(AgGemmWait const& w, int total_rows, int row0, int tile_rows) {
+  const int end = min(row0 + tile_rows, total_rows);
+  const int m = w.rows_per_shard;
+  for (int row = row0; row < end;) {
+    const int in_batch = row % (w.tp * m);
+    const int source = in_batch / m;
+    const int local = in_batch % m;
+    int chunk = 0;
+    while (chunk < kAgGemmMaxChunks - 1 && local >= w.chunk_ends[chunk]) ++chunk;
+    Wait(w, source, chunk);
+    row += min(m, w.chunk_ends[chunk]) - local;  // next chunk or shard boundary
+  }
+  if (row0 < end) asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// The rank cached at discovery must match this program's operand, or data lands in the wrong
+// rows (see docs/runtime.md, "site" rank cache). One thread of the grid calls it.
+CUTLASS_DEVICE void CheckRank(AgGemmWait const& w) {
+  if (w.rank_info == nullptr) return;
+  const int32_t rank = w.rank_info[0];
+  const int32_t group = w.rank_info[1];
+  if (rank != w.rank || group != w.group) {
+    device::RecordError(w.error, ErrorKind::kRankMismatch, w.op, w.device, w.rank, rank, group,
+                        0, 0, w.epoch, 0);
+  }
+}
+
+}  // namespace jaxflux::gemm_wait
