@@ -332,16 +332,11 @@ if stage rsschedule; then
   timeout 150 python3 -m pytest -q -rs -m gpu tests/test_gemm_gpu.py -k own_rows \
     -p no:cacheprovider -o faulthandler_timeout=90 > "$OUTDIR/own_rows_tests.log" 2>&1 || status=1
   tail -3 "$OUTDIR/own_rows_tests.log"
-  # The matrix of tests/test_multiprocess_gpu.py, both ranks on GPU 0, own rows forced ping-pong.
-  port=$(( 20000 + RANDOM % 20000 ))
-  for i in 0 1; do
-    JAXFLUX_GEMM_RS_SCHEDULE=pingpong XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD \
-      timeout 240 python3 tests/multiprocess_gpu_worker.py $port 2 $i matrix shared \
-      > "$OUTDIR/shared_matrix_pingpong.$i.log" 2>&1 &
-  done
-  wait
-  grep -cE "^PASS" "$OUTDIR/shared_matrix_pingpong.0.log"
-  grep -hE "FAIL|WORKER|rror" "$OUTDIR"/shared_matrix_pingpong.*.log | head -20
+  # The fused ops' matrix with both ranks on GPU 0 and the own rows forced ping-pong.
+  timeout 300 python3 -m pytest -q -rs -m gpu tests/test_multiprocess_gpu.py \
+    -k "matrix and pingpong" -p no:cacheprovider > "$OUTDIR/shared_matrix_pingpong.log" 2>&1 \
+    || status=1
+  tail -3 "$OUTDIR/shared_matrix_pingpong.log"
   # Own rows of M = 2048, 4096, 8192 tokens at tp=2 of llama70b-out and gpt3-out (K_local, N).
   specs=${SCHEDULE_SPECS:-"1024 4096 8192;2048 4096 8192;4096 4096 8192;1024 6144 12288;2048 6144 12288;4096 6144 12288"}
   IFS=';' read -ra list <<< "$specs"

@@ -23,8 +23,8 @@ fused ops' cross-rank protocol (pushes, flags, waits) on a one-GPU machine: corr
 refuses two ranks on one GPU), so MODE=check skips its in-program all-gather case there. A
 push between the ranks is then a copy within one device, which runs as a kernel, so the GEMMs
 are given fewer SMs than the GPU has (JAXFLUX_GEMM_SMS=100): one holding every SM while it
-spins on a peer's push would starve that push (it did, once in three runs, on the chunked
-all-gather of rows/rank=8192).
+spins on a peer's push would starve that push (it did in one of the two matrix runs without
+the cap, on the chunked all-gather of rows/rank=8192: benchmarks/logs/rsschedule_pingpong_session12_*).
 """
 import json
 import os

@@ -187,10 +187,13 @@ bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k, si
 // The own-rows GEMM's schedule (RsGemmProblem::pingpong). Ping-pong 128x128 tiles overlap one
 // consumer warp group's epilogue (the C read: the peer's partial) with the other's mainloop,
 // where cooperative 128x256 tiles stall both groups on it. Measured on the own-rows kernel alone
-// with C (1xH200, sessions 11-12, benchmarks/README.md): ping-pong is faster with the tiles
-// swept along N (the partial pushed in chunks) at K_local <= 8192, slower at K_local 24576
-// (its narrower tiles re-read B from HBM), in CUTLASS's raster order (the partial pushed
-// whole) and at K_local 14336 within noise; hence chunks and K_local <= kPingpongMaxK.
+// with C (1xH200, session 12, benchmarks/README.md "Session 12"; out-projection shapes, K_local
+// 4096 and 6144 only): ping-pong 0.7-5.8% faster with the tiles swept along N (the partial
+// pushed in chunks), 1.0-3.2% in CUTLASS's raster order (the partial pushed whole). The limits
+// rest on session 11's measurements, whose data was lost with its branch and is in no file
+// under benchmarks/: ping-pong slower at K_local 24576 (narrower tiles re-read B from HBM), up
+// to 14% slower in CUTLASS's order on other shapes, within noise at 14336. Hence chunks and
+// K_local <= kPingpongMaxK until those are measured again.
 // JAXFLUX_GEMM_RS_SCHEDULE=cooperative|pingpong forces one (tests, measurement).
 constexpr size_t kPingpongMaxK = 8192;
 
