@@ -58,11 +58,16 @@
 #             with C, cooperative against ping-pong against cuBLAS without C
 #             (benchmarks/ncu_gemms.py time) on the out-projection shapes' own rows
 #             ($SCHEDULE_SPECS "M K N;...", per-device) (~5 min)
+#   gemmtable the single-GPU GEMMs of both fused ops on every shape at M in $GEMM_M (default
+#             2048..16384), per-device shapes at tp=2, against cuBLAS (interleaved rounds,
+#             benchmarks/ncu_gemms.py table): AG+GEMM's GEMM-only mode in each tile config and as
+#             chosen; GEMM+RS's own rows with C in both schedules and both tile orders; the
+#             GEMM-only op (CUTLASS's scheduler) on the whole local GEMM. One GPU (~5 min)
 # Needs .whl/ with the CUTLASS wheel (pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0),
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
-STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect ownrows power swizzle ncu tables timelines rsschedule}
+STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect ownrows power swizzle ncu tables timelines rsschedule gemmtable}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLUX_CUDA=ON
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
@@ -347,6 +352,25 @@ if stage rsschedule; then
       "$m" "$k" "$n" --calls 50 --rounds 7 --json "$OUTDIR/own_rows_schedules.json" 2>&1 \
       | grep -v "^[WEI][0-9 ]" || status=1
   done
+fi
+
+if stage gemmtable; then
+  # One GPU is enough: the GEMMs each device runs at tp=2, every shape of both ops at $GEMM_M,
+  # timed against cuBLAS in interleaved rounds (benchmarks/ncu_gemms.py table).
+  gm=${GEMM_M:-2048,4096,8192,16384}
+  run_table() {  # name, then ncu_gemms.py table arguments
+    local name=$1; shift
+    timeout ${GEMM_TABLE_TIMEOUT:-240} python3 benchmarks/ncu_gemms.py table --M "$gm" \
+      --rounds ${GEMM_ROUNDS:-7} "$@" \
+      --json "$OUTDIR/gemm_table_$name.json" 2>&1 | grep -v "^[WEI][0-9 ]" || status=1
+  }
+  run_table ag_gemm_configs --op ag_gemm --variants \
+    cublas,ag_gemm_only,ag_gemm_only_config0,ag_gemm_only_config1,ag_gemm_only_config2,ag_gemm_only_config3
+  # Own rows: with C (the epilogue reduction) in both schedules and tile orders; without C, the
+  # peer rows' GEMM (CUTLASS's scheduler) against the AG+GEMM kernel's GEMM-only mode.
+  run_table gemm_rs_own_rows --op gemm_rs --part own_rows --variants \
+    cublas,own_rows_c,own_rows_c_pingpong,own_rows_c_chunked,own_rows_c_chunked_pingpong,cutlass,ag_gemm_only,ag_gemm_only_config0,ag_gemm_only_config3
+  run_table gemm_rs_device --op gemm_rs --part device --variants cublas,cutlass
 fi
 
 echo "end at $(( $(date +%s) - T0 )) s, status $status"

@@ -23,6 +23,8 @@ JAX's whole memory pool (with both, two of the first reports on the GPU ran past
   own_rows_c_chunked_cutlass_scheduler  the same under CUTLASS's scheduler: what the fused
                       ops' scheduler costs apart from the source-C epilogue
   own_rows_c[_chunked]_pingpong  the own-rows kernel with ping-pong 128x128 tiles
+  ag_gemm_only_configI  ag_gemm_only with its tile config forced to AG_GEMM_CONFIGS[I]
+                      (jaxflux.ops.gemm), not the kernel's choice
 `summarize` prints, per CSV (one variant each), the last profiled kernel (the last call): time,
 SM cycles, the clock they imply, HBM bytes read and written, L2 hit rate, SM throughput. Cycles compare kernels independently of the clock.
 
@@ -31,9 +33,19 @@ Without ncu, `time` times several variants on the same operands, back to back an
     python benchmarks/ncu_gemms.py time cublas,own_rows_c_chunked,own_rows_c_chunked_pingpong \
         M K N [--calls 50] [--rounds 5] [--json OUT.json]
 
-each round queues --calls calls of each variant in turn with one sync; per variant the median
-(and fastest) round's time per call, and its ratio to the first variant's median. Interleaving
-spreads clock and power drift over all variants alike.
+each round queues --calls calls of each variant in turn with one sync (after an untimed round,
+each round starting one variant later); per variant the median (and fastest) round's time per
+call, and its ratio to the first variant's median. Interleaving spreads clock and power drift
+over all variants alike. `table` does the same for every shape
+of one op in shapes.json at each M, on the GEMM one device runs at tensor-parallel degree --tp,
+in one process, into one JSON:
+
+    python benchmarks/ncu_gemms.py table --op ag_gemm --M 2048,4096,8192,16384 \
+        --variants cublas,ag_gemm_only,ag_gemm_only_config0,ag_gemm_only_config3 --json OUT.json
+
+--op ag_gemm: the gathered x [M, K] times the weight's columns [K, N/tp]; --op gemm_rs: the
+whole local GEMM [M, K/tp] x [K/tp, N] (--part device, the issue's GEMM-only comparison) or
+the own rows a rank reduces into, [M/tp, K/tp] x [K/tp, N] (--part own_rows).
 """
 from __future__ import annotations
 
@@ -48,7 +60,7 @@ METRICS = ("gpu__time_duration.sum", "sm__cycles_elapsed.max", "dram__bytes_read
            "sm__throughput.avg.pct_of_peak_sustained_elapsed")
 VARIANTS = ("cublas", "cutlass", "ag_gemm_only", "own_rows", "own_rows_c", "own_rows_chunked",
             "own_rows_c_chunked", "own_rows_c_chunked_cutlass_scheduler", "own_rows_c_pingpong",
-            "own_rows_c_chunked_pingpong")
+            "own_rows_c_chunked_pingpong") + tuple(f"ag_gemm_only_config{i}" for i in range(4))
 
 
 def make_call(variant: str):
@@ -62,6 +74,10 @@ def make_call(variant: str):
     return jax.jit(lambda x, w, c: gemm_module.gemm(x, w))
   if variant == "ag_gemm_only":
     return jax.jit(lambda x, w, c: gemm_module.gemm(x, w, tile_order="all_gather_matmul"))
+  if variant.startswith("ag_gemm_only_config") and variant in VARIANTS:
+    config = gemm_module.AG_GEMM_CONFIGS[int(variant.removeprefix("ag_gemm_only_config"))]
+    return jax.jit(lambda x, w, c: gemm_module.gemm(x, w, tile_order="all_gather_matmul",
+                                                    config=config))
   if variant.startswith("own_rows") and variant in VARIANTS:
     with_c, options = gemm_module.own_rows_variant(variant)
     return jax.jit(lambda x, w, c: gemm_module.gemm_own_rows(x, w, c if with_c else None,
@@ -159,7 +175,11 @@ def summarize(paths: list[str]) -> None:
 
 def time_variants(variants: list[str], m: int, k: int, n: int, calls: int,
                   rounds: int) -> dict[str, list[float]]:
-  """Per variant, the time per call (us) of each round; rounds interleave the variants."""
+  """Per variant, the time per call (us) of each round; rounds interleave the variants.
+
+  A first, untimed round brings the GPU to the clock it holds under this load (it sits at its
+  power cap: the first milliseconds run faster), and each round starts one variant later in the
+  list, so that no variant always runs first or always after the same one."""
   import time
 
   x, w, c = operands(m, k, n)
@@ -167,13 +187,14 @@ def time_variants(variants: list[str], m: int, k: int, n: int, calls: int,
   for v in variants:  # compile (and XLA's autotuning) outside the timed rounds
     fns[v](x, w, c).block_until_ready()
   times: dict[str, list[float]] = {v: [] for v in variants}
-  for _ in range(rounds):
-    for v in variants:
+  for r in range(rounds + 1):
+    for v in variants[r % len(variants):] + variants[:r % len(variants)]:
       start = time.perf_counter()
       for _ in range(calls):
         out = fns[v](x, w, c)
       out.block_until_ready()
-      times[v].append((time.perf_counter() - start) / calls * 1e6)
+      if r > 0:  # round 0 warms up
+        times[v].append((time.perf_counter() - start) / calls * 1e6)
   return times
 
 
@@ -212,6 +233,64 @@ def time_main(args, argv: list[str]) -> None:
     path.write_text(json.dumps(result, indent=1) + "\n")
 
 
+def table_shapes(op: str, ms: list[int], tp: int, part: str, names: list[str] | None = None,
+                 shapes_file: str | None = None) -> list[tuple[str, int, tuple[int, int, int]]]:
+  """(shape name, global M, the per-device GEMM (m, k, n)) for each shapes.json shape of `op`
+  at each M, as one device of a tensor-parallel degree `tp` runs it (module docstring)."""
+  import json
+
+  from jaxflux.bench.rows import find_shapes_file
+  if op not in ("ag_gemm", "gemm_rs"):
+    raise SystemExit(f"--op must be ag_gemm or gemm_rs; got {op!r}")
+  if part not in ("device", "own_rows") or (part == "own_rows" and op != "gemm_rs"):
+    raise SystemExit(f"--part {part!r}: device, or own_rows with --op gemm_rs")
+  table = json.loads(find_shapes_file(shapes_file).read_text())[op]
+  known = [s["name"] for s in table]
+  if names and set(names) - set(known):
+    raise SystemExit(f"--shapes: unknown {sorted(set(names) - set(known))}; known {known}")
+  out = []
+  for s in table:
+    if names and s["name"] not in names:
+      continue
+    k, n = int(s["K"]), int(s["N"])
+    for m in ms:
+      if op == "ag_gemm":
+        gemm = (m, k, n // tp)
+      else:
+        gemm = (m // tp if part == "own_rows" else m, k // tp, n)
+      out.append((s["name"], m, gemm))
+  return out
+
+
+def table_main(args, argv: list[str]) -> None:
+  import json
+  import pathlib
+
+  variants = [v for v in args.variants.split(",") if v]
+  unknown = [v for v in variants if v not in VARIANTS]
+  if unknown:
+    raise SystemExit(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+  ms = [int(m) for m in args.M.split(",") if m]
+  names = [n for n in args.shapes.split(",") if n] if args.shapes else None
+  results = []
+  print(f"{'shape':14s} {'M':>6s} {'per-device m x k x n':>22s}  " +
+        "  ".join(f"{v[:24]:>24s}" for v in variants))
+  for name, m, (gm, gk, gn) in table_shapes(args.op, ms, args.tp, args.part, names,
+                                            args.shapes_file):
+    times = time_variants(variants, gm, gk, gn, args.calls, args.rounds)
+    rows = report_times(times)
+    results.append({"shape": name, "M": m, "gemm": {"m": gm, "k": gk, "n": gn}, "rows": rows,
+                    "round_times_us": times})
+    cells = "  ".join(f"{r['median_us']:13.1f} x{r['ratio_to_first']:.3f}".rjust(24) for r in rows)
+    print(f"{name:14s} {m:6d} {f'{gm}x{gk}x{gn}':>22s}  {cells}")
+  if args.json:
+    from jaxflux.bench import machine
+    record = {**machine.provenance("benchmarks/ncu_gemms.py", argv), "op": args.op,
+              "part": args.part, "tp": args.tp, "calls": args.calls, "rounds": args.rounds,
+              "variants": variants, "ratios_to": variants[0], "results": results}
+    pathlib.Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   sub = p.add_subparsers(dest="command", required=True)
@@ -229,6 +308,17 @@ def main(argv=None) -> None:
   t.add_argument("--calls", type=int, default=50)
   t.add_argument("--rounds", type=int, default=5)
   t.add_argument("--json", help="append the result to this JSON file")
+  tb = sub.add_parser("table", help="time variants on every shape of one op (interleaved rounds)")
+  tb.add_argument("--op", required=True, help="ag_gemm or gemm_rs")
+  tb.add_argument("--M", required=True, help="comma-separated global M (tokens)")
+  tb.add_argument("--tp", type=int, default=2)
+  tb.add_argument("--part", default="device", help="device, or own_rows (gemm_rs)")
+  tb.add_argument("--variants", required=True, help="comma-separated; ratios are to the first")
+  tb.add_argument("--shapes", help="comma-separated shape names (default: all of the op)")
+  tb.add_argument("--shapes-file", help="default: as python -m jaxflux.bench")
+  tb.add_argument("--calls", type=int, default=20)
+  tb.add_argument("--rounds", type=int, default=5)
+  tb.add_argument("--json", help="write the results to this JSON file")
   s = sub.add_parser("summarize", help="one line per ncu CSV report")
   s.add_argument("reports", nargs="+")
   sub.add_parser("metrics", help="print the metrics to pass to ncu --metrics")
@@ -238,6 +328,8 @@ def main(argv=None) -> None:
     run(args.variant, args.m, args.k, args.n, args.calls)
   elif args.command == "time":
     time_main(args, argv)
+  elif args.command == "table":
+    table_main(args, argv)
   elif args.command == "summarize":
     summarize(args.reports)
   else:

@@ -88,3 +88,41 @@ def test_time_runs_on_cpu_and_records_its_command(tmp_path, capsys):
   assert len(results[0]["round_times_us"]["cublas"]) == 3
   with pytest.raises(SystemExit, match="unknown variant"):
     ncu.main(["time", "cublas,nope", "16", "32", "8"])
+
+
+def test_table_shapes_are_the_per_device_gemms():
+  """ag_gemm: the gathered rows times the weight's N/tp columns; gemm_rs: K/tp, all M rows for
+  the device's GEMM, M/tp rows for the own rows it reduces into."""
+  ncu = load_script(SCRIPT, "ncu_gemms")
+  ag = ncu.table_shapes("ag_gemm", [2048], 2, "device", ["llama70b-qkv"])
+  assert ag == [("llama70b-qkv", 2048, (2048, 8192, 5120))]
+  rs = ncu.table_shapes("gemm_rs", [4096, 8192], 4, "own_rows", ["gpt3-fc2"])
+  assert rs == [("gpt3-fc2", 4096, (1024, 12288, 12288)), ("gpt3-fc2", 8192, (2048, 12288, 12288))]
+  assert ncu.table_shapes("gemm_rs", [4096], 2, "device", ["llama70b-out"])[0][2] == (4096, 4096, 8192)
+  with pytest.raises(SystemExit, match="own_rows with --op gemm_rs"):
+    ncu.table_shapes("ag_gemm", [2048], 2, "own_rows")
+  with pytest.raises(SystemExit, match="unknown"):
+    ncu.table_shapes("ag_gemm", [2048], 2, "device", ["nope"])
+
+
+def test_table_runs_on_cpu_into_one_json(tmp_path, capsys):
+  import json
+  ncu = load_script(SCRIPT, "ncu_gemms")
+  shapes = tmp_path / "shapes.json"
+  shapes.write_text(json.dumps({"ag_gemm": [{"name": "tiny", "K": 32, "N": 16}], "gemm_rs": []}))
+  out = tmp_path / "table.json"
+  ncu.main(["table", "--op", "ag_gemm", "--M", "8,16", "--variants", "cublas", "--calls", "2",
+            "--rounds", "2", "--shapes-file", str(shapes), "--json", str(out)])
+  record = json.loads(out.read_text())
+  assert record["op"] == "ag_gemm" and record["ratios_to"] == "cublas"
+  assert [(r["M"], r["gemm"]) for r in record["results"]] == [
+      (8, {"m": 8, "k": 32, "n": 8}), (16, {"m": 16, "k": 32, "n": 8})]
+  assert all(r["rows"][0]["ratio_to_first"] == 1.0 for r in record["results"])
+  assert "tiny" in capsys.readouterr().out
+
+
+def test_config_variants_name_the_kernels_configs():
+  from jaxflux.ops.gemm import AG_GEMM_CONFIGS
+  ncu = load_script(SCRIPT, "ncu_gemms")
+  configs = [v for v in ncu.VARIANTS if v.startswith("ag_gemm_only_config")]
+  assert len(configs) == len(AG_GEMM_CONFIGS)

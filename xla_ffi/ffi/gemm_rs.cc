@@ -187,15 +187,16 @@ bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k, si
 // The own-rows GEMM's schedule (RsGemmProblem::pingpong). Ping-pong 128x128 tiles overlap one
 // consumer warp group's epilogue (the C read: the peer's partial) with the other's mainloop,
 // where cooperative 128x256 tiles stall both groups on it. Measured on the own-rows kernel alone
-// with C (1xH200, session 12, benchmarks/README.md "Session 12"; out-projection shapes, K_local
-// 4096 and 6144 only): ping-pong 0.7-5.8% faster with the tiles swept along N (the partial
-// pushed in chunks), 1.0-3.2% in CUTLASS's raster order (the partial pushed whole). The limits
-// rest on session 11's measurements, whose data was lost with its branch and is in no file
-// under benchmarks/: ping-pong slower at K_local 24576 (narrower tiles re-read B from HBM), up
-// to 14% slower in CUTLASS's order on other shapes, within noise at 14336. Hence chunks and
-// K_local <= kPingpongMaxK until those are measured again.
+// with C (1xH200, session 13, two runs, every gemm_rs shape at 2048..16384 tokens, tp=2;
+// benchmarks/results/gemm_table_gemm_rs_own_rows_s13_run{1,2}_*.json, benchmarks/README.md
+// "Session 13"). On the rows whose partial the fused op pushes in chunks (tiles swept along
+// N), ping-pong takes 0.90-0.98x cooperative's time at K_local 4096 and 6144 (the
+// out-projections from 4096 tokens) and 0.97-0.99x at 14336 (llama70b-fc2, 16384 tokens) in
+// both runs, and 1.01x at 24576 (gpt3-fc2). On the rows pushed whole (CUTLASS's raster order)
+// it is 0.97-1.04x at K_local <= 14336 and 0.98-1.21x at 24576. Hence ping-pong when the
+// partial goes in chunks and K_local <= kPingpongMaxK.
 // JAXFLUX_GEMM_RS_SCHEDULE=cooperative|pingpong forces one (tests, measurement).
-constexpr size_t kPingpongMaxK = 8192;
+constexpr size_t kPingpongMaxK = 16384;
 
 enum class Schedule { kChoose, kCooperative, kPingpong, kInvalid };
 
