@@ -11,7 +11,8 @@ processes' GPUs:
     whose partial is pushed in chunks), odd shapes, batch dims and fp16, and the gradients of both (each op's backward runs the other with the weight
     transposed), against float32 NumPy;
   MODE=badschedule: with JAXFLUX_GEMM_RS_SCHEDULE set to a bad value, the fused
-    matmul_reduce_scatter fails with a message naming it (on every rank, before any waits);
+    matmul_reduce_scatter fails with a message naming it on every rank, at trace time
+    (jaxflux/_knobs.py), before any rank takes part;
   MODE=die: one fused call, then process 1 exits at once and process 0 makes another call, which
     must fail with jaxflux's timeout error instead of hanging.
 Prints `PASS <case>` per case and, last, `WORKER OK <process id>`.
@@ -202,7 +203,8 @@ def run_bad_schedule():
     rs(bf16(x, P(None, "tp")), bf16(w, P("tp", None))).block_until_ready()
     failures.append("a bad JAXFLUX_GEMM_RS_SCHEDULE did not fail the call")
   except Exception as e:  # noqa: BLE001 - XLA wraps the handler's error in its own type
-    if "JAXFLUX_GEMM_RS_SCHEDULE must be unset, 'cooperative' or 'pingpong'" in str(e):
+    if ("JAXFLUX_GEMM_RS_SCHEDULE='ping-pong' is not valid; it takes cooperative or pingpong"
+        in str(e)):
       print("PASS bad schedule", flush=True)
     else:
       failures.append(f"unexpected error: {e}")

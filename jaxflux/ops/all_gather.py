@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxflux import _runtime
+from jaxflux import _knobs, _runtime
 from jaxflux.ops import _common
 
 IMPLS = ("fused", "xla")
@@ -61,7 +61,9 @@ def call_group_op(op: str, out_types, operands: tuple, axis_name: str, workspace
   """Calls the communicating FFI target of `op` (xla_ffi/ffi/) for this device's group on
   `axis_name`: makes the workspace hold `workspace_bytes` (at trace time), appends the rank
   operand to `operands`, and passes the attributes every such handler takes (tp, num_groups,
-  site, generation) plus `attrs` (int64)."""
+  site, generation) plus `attrs` (int64). A bad measurement knob in the environment fails here,
+  at trace time (jaxflux/_knobs.py)."""
+  _knobs.check_environment(op)
   info, num_groups = rank_info(axis_name)
   generation = _runtime.ensure_workspace(workspace_bytes)
   call = jax.ffi.ffi_call(_runtime.target_name(op), out_types)

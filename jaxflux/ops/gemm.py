@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxflux import _runtime
+from jaxflux import _knobs, _runtime
 from jaxflux.ops import _common
 
 
@@ -51,6 +51,7 @@ def _kernel_call(op: str, target: str, out: jax.ShapeDtypeStruct, *operands, **a
   reason = _common.platform_reason()
   if reason is not None:
     raise _common.FusedKernelUnavailableError(f"{op}: {reason}")
+  _knobs.check_environment(op)
   _runtime.register_targets()
   return jax.ffi.ffi_call(target, out)(*operands, **{k: np.int64(v) for k, v in attrs.items()})
 

@@ -248,6 +248,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   if (ffi::Error e = CheckInputs(x, w, rank_info, *z, tp, transpose_w, &s); e.failure()) {
     return e;
   }
+  // jaxflux/_knobs.py fails the trace on a bad value first; this catches one set after it.
   if (ForcedSchedule() == Schedule::kInvalid) {  // before any rank takes part
     return ffi::Error::InvalidArgument(
         "jaxflux matmul_reduce_scatter: JAXFLUX_GEMM_RS_SCHEDULE must be unset, 'cooperative' "
