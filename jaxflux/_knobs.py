@@ -4,12 +4,14 @@ The C++ side reads each of these once per process and, for a value it does not k
 to its default: a typo such as JAXFLUX_GEMM_RS_REDUCE=epilog would silently measure the default.
 So every call that emits a jaxflux kernel first checks the variables that are set here, and a bad
 value fails the trace with the variable's name, what it accepts and how to fix it. The values
-accepted are the C++ parsers' (docs/design.md, "Environment knobs", lists what each does).
+accepted are the documented ones (docs/design.md, "Environment knobs"), a subset of what the
+C++ parsers take. JAXFLUX_RANK_CACHE is read by jaxflux._runtime at import.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Callable
 
 
@@ -25,17 +27,17 @@ def _one_of(*values: str) -> Callable[[str], bool]:
 
 
 def _int_in(low: int, high: int | None) -> Callable[[str], bool]:
-  def valid(v: str) -> bool:
-    try:
-      n = int(v)
-    except ValueError:
+  def valid(v: str) -> bool:  # plain ASCII digits, as C's atoi reads them in full
+    if not re.fullmatch(r"[0-9]+", v):
       return False
+    n = int(v)
     return n >= low and (high is None or n <= high)
   return valid
 
 
 def _comma_list_of(*values: str) -> Callable[[str], bool]:
-  return lambda v: all(part in values for part in v.split(","))
+  # The C++ looks for each word anywhere in the string; "none" (skip nothing) was used in runs.
+  return lambda v: v == "none" or all(part.strip() in values for part in v.split(","))
 
 
 _SWIZZLE = ("1, 2, 4 or 8", _one_of("1", "2", "4", "8"))
@@ -65,7 +67,7 @@ def check_environment(op: str, environ=None) -> None:
   environ = os.environ if environ is None else environ
   for knob in KNOBS.values():
     value = environ.get(knob.name, "")
-    if value and not knob.valid(value.strip()):
+    if value and not knob.valid(value):  # unstripped: the C++ compares the raw string
       raise ValueError(
           f"{op}: environment variable {knob.name}={value!r} is not valid; it takes "
           f"{knob.accepts}. These variables are measurement knobs (docs/design.md, "

@@ -18,7 +18,8 @@ DESIGN = pathlib.Path(__file__).resolve().parents[1] / "docs" / "design.md"
     ("JAXFLUX_AG_GEMM_CONFIG", "coop"), ("JAXFLUX_GEMM_SWIZZLE", "3"),
     ("JAXFLUX_GEMM_RS_SWIZZLE", "16"), ("JAXFLUX_GEMM_PLAIN_SWIZZLE", "x"),
     ("JAXFLUX_GEMM_SMS", "0"), ("JAXFLUX_AG_MAX_CHUNKS", "5"), ("JAXFLUX_AG_ABLATE", "push,gemm"),
-    ("JAXFLUX_AG_GEMM_LOCAL", "direct-ish"), ("JAXFLUX_RANK_CACHE", "global")])
+    ("JAXFLUX_AG_GEMM_LOCAL", "direct-ish"), ("JAXFLUX_RANK_CACHE", "global"),
+    ("JAXFLUX_GEMM_RS_REDUCE", "epilogue "), ("JAXFLUX_GEMM_SMS", "1_00")])
 def test_a_bad_value_names_the_variable_what_it_takes_and_the_fix(name, value):
   with pytest.raises(ValueError) as err:
     _knobs.check_environment("matmul_reduce_scatter", {name: value})
@@ -33,7 +34,10 @@ def test_a_bad_value_names_the_variable_what_it_takes_and_the_fix(name, value):
     ("JAXFLUX_GEMM_RS_PUSH", "copy"), ("JAXFLUX_GEMM_RS_SCHEDULE", "pingpong"),
     ("JAXFLUX_AG_GEMM_CONFIG", "3"), ("JAXFLUX_GEMM_SWIZZLE", "8"), ("JAXFLUX_GEMM_SMS", "100"),
     ("JAXFLUX_AG_MAX_CHUNKS", "1"), ("JAXFLUX_AG_ABLATE", "push,recv"),
-    ("JAXFLUX_RANK_CACHE", "site"), ("JAXFLUX_GEMM_RS_SCHEDULE", "")])
+    ("JAXFLUX_RANK_CACHE", "site"), ("JAXFLUX_GEMM_RS_SCHEDULE", ""),
+    ("JAXFLUX_AG_ABLATE", "none"), ("JAXFLUX_AG_ABLATE", "push, local"),
+    ("JAXFLUX_GEMM_RS_SWIZZLE", "1"), ("JAXFLUX_GEMM_PLAIN_SWIZZLE", "4"),
+    ("JAXFLUX_AG_GEMM_LOCAL", "copy"), ("JAXFLUX_GEMM_RS_PUSH", "split")])
 def test_the_values_the_kernels_take_pass(name, value):
   _knobs.check_environment("op", {name: value})
 
