@@ -207,11 +207,17 @@ def report_times(times: dict[str, list[float]]) -> list[dict]:
            "ratio_to_first": statistics.median(t) / base} for v, t in times.items()]
 
 
-def time_main(args, argv: list[str]) -> None:
-  variants = [v for v in args.variants.split(",") if v]
+def parse_variants(text: str) -> list[str]:
+  """The comma-separated variant names, each one of VARIANTS."""
+  variants = [v for v in text.split(",") if v]
   unknown = [v for v in variants if v not in VARIANTS]
   if unknown:
     raise SystemExit(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+  return variants
+
+
+def time_main(args, argv: list[str]) -> None:
+  variants = parse_variants(args.variants)
   times = time_variants(variants, args.m, args.k, args.n, args.calls, args.rounds)
   rows = report_times(times)
   print(f"time {args.m}x{args.k}x{args.n}, {args.rounds} rounds of {args.calls} calls")
@@ -239,7 +245,8 @@ def table_shapes(op: str, ms: list[int], tp: int, part: str, names: list[str] | 
   at each M, as one device of a tensor-parallel degree `tp` runs it (module docstring)."""
   import json
 
-  from jaxflux.bench.rows import find_shapes_file
+  from jaxflux.bench.rows import Row, find_shapes_file
+
   if op not in ("ag_gemm", "gemm_rs"):
     raise SystemExit(f"--op must be ag_gemm or gemm_rs; got {op!r}")
   if part not in ("device", "own_rows") or (part == "own_rows" and op != "gemm_rs"):
@@ -248,17 +255,14 @@ def table_shapes(op: str, ms: list[int], tp: int, part: str, names: list[str] | 
   known = [s["name"] for s in table]
   if names and set(names) - set(known):
     raise SystemExit(f"--shapes: unknown {sorted(set(names) - set(known))}; known {known}")
-  out = []
+  out = []  # rows: the output's (ag_gemm: gathered; own rows: a rank's), else x's (gemm_rs)
   for s in table:
     if names and s["name"] not in names:
       continue
-    k, n = int(s["K"]), int(s["N"])
     for m in ms:
-      if op == "ag_gemm":
-        gemm = (m, k, n // tp)
-      else:
-        gemm = (m // tp if part == "own_rows" else m, k // tp, n)
-      out.append((s["name"], m, gemm))
+      shapes = Row(op, s["name"], m, int(s["K"]), int(s["N"]), tp, "bfloat16").per_device_shapes
+      rows = shapes["x"][0] if op == "gemm_rs" and part == "device" else shapes["out"][0]
+      out.append((s["name"], m, (rows, *shapes["w"])))
   return out
 
 
@@ -266,10 +270,7 @@ def table_main(args, argv: list[str]) -> None:
   import json
   import pathlib
 
-  variants = [v for v in args.variants.split(",") if v]
-  unknown = [v for v in variants if v not in VARIANTS]
-  if unknown:
-    raise SystemExit(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+  variants = parse_variants(args.variants)
   ms = [int(m) for m in args.M.split(",") if m]
   names = [n for n in args.shapes.split(",") if n] if args.shapes else None
   results = []
