@@ -13,8 +13,9 @@ processes' GPUs:
   MODE=badschedule: with JAXFLUX_GEMM_RS_SCHEDULE set to a bad value, the fused
     matmul_reduce_scatter fails with a message naming it on every rank, at trace time
     (jaxflux/_knobs.py), before any rank takes part;
-  MODE=die: one fused call, then process 1 exits at once and process 0 makes another call, which
-    must fail with jaxflux's timeout error instead of hanging.
+  MODE=die: one call of each fused op (and the all-gather, and GEMM+RS with either reduction:
+    every kind of wait in the kernels), then process 1 exits at once and process 0 calls each
+    again: each must fail with jaxflux's timeout error naming its op, instead of hanging.
 Prints `PASS <case>` per case and, last, `WORKER OK <process id>`.
 
 With `shared`, every process drives GPU 0: the ranks then share one GPU, their kernels
@@ -210,23 +211,57 @@ def run_bad_schedule():
       failures.append(f"unexpected error: {e}")
 
 
+def shard_mapped(fn, in_specs, out_spec):
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec))
+
+
+# Each of the kernels' kinds of wait on a peer (the one bounded spin-wait of
+# xla_ffi/runtime/wait.cuh), by the op its timeout must name.
+DIE_CASES = ("all_gather_matmul (the GEMM's tile wait)",
+             "matmul_reduce_scatter (the own-rows GEMM's epilogue wait)",
+             "matmul_reduce_scatter (the reduction pass's wait)",
+             "all_gather (the gather kernel's wait)")
+
+
 def run_die():
+  """Every case of DIE_CASES once with both ranks alive (compiled, workspace sized), then process
+  1 exits and process 0 runs each again: each must fail with its op's timeout, not hang."""
+  import importlib  # jaxflux.ops's names are the ops; these are their modules
+  all_gather_module = importlib.import_module("jaxflux.ops.all_gather")
+  rs_module = importlib.import_module("jaxflux.ops.matmul_reduce_scatter")
+
   jaxflux.configure(timeout_s=5.0)
   x, w = operands(5, 128 * tp, 256, 128 * tp)
-  xs, ws = bf16(x, P("tp", None)), bf16(w, P(None, "tp"))
-  ag(xs, ws).block_until_ready()
-  print("PASS first call", flush=True)
+  ag_args = (bf16(x, P("tp", None)), bf16(w, P(None, "tp")))
+  x, w = operands(6, 128 * tp, 256 * tp, 256)
+  rs_args = (bf16(x, P(None, "tp")), bf16(w, P("tp", None)))
+  rs_in = (P(None, "tp"), P("tp", None))
+
+  def rs_with(reduce):
+    return shard_mapped(lambda x, w: rs_module._fused(x, w, "tp", reduce=reduce), rs_in,
+                        P("tp", None))
+
+  gather = shard_mapped(lambda x: all_gather_module.all_gather(x, "tp", impl="fused")[None],
+                        (P("tp", None),), P("tp"))  # each device's gathered copy
+  calls = dict(zip(DIE_CASES, ((ag, ag_args), (rs_with("epilogue"), rs_args),
+                               (rs_with("pass"), rs_args), (gather, ag_args[:1]))))
+  for call, args in calls.values():
+    call(*args).block_until_ready()
+  _runtime.check_errors()
+  print("PASS first calls", flush=True)
   if PROCESS_ID == 1:
     os._exit(0)  # dies without a word to anyone
-  try:
-    ag(xs, ws).block_until_ready()
-    _runtime.check_errors()
-    failures.append("the call with a dead peer did not fail")
-  except RuntimeError as e:
-    if "timed out" in str(e) and "all_gather_matmul" in str(e):
-      print(f"PASS dead peer: {str(e)[:200]}", flush=True)
-    else:
-      failures.append(f"unexpected error: {e}")
+  for case, (call, args) in calls.items():
+    op = case.split()[0]
+    try:
+      call(*args).block_until_ready()
+      _runtime.check_errors()
+      failures.append(f"{case}: the call with a dead peer did not fail")
+    except RuntimeError as e:
+      if f"jaxflux {op}: rank 0" in str(e) and "timed out" in str(e):
+        print(f"PASS dead peer, {case}: {str(e)[:160]}", flush=True)
+      else:
+        failures.append(f"{case}: unexpected error: {e}")
   print(f"WORKER OK {PROCESS_ID}" if not failures else f"FAILURES {failures}", flush=True)
   os._exit(0 if not failures else 1)  # skip jax.distributed's shutdown barrier (peer is gone)
 

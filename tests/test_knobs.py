@@ -6,8 +6,10 @@ import re
 
 import pytest
 
-from jaxflux import _knobs
-from jaxflux.ops import all_gather
+import jax.numpy as jnp
+
+from jaxflux import _knobs, _runtime
+from jaxflux.ops import _common, all_gather, gemm
 
 DESIGN = pathlib.Path(__file__).resolve().parents[1] / "docs" / "design.md"
 
@@ -57,6 +59,22 @@ def test_every_communicating_call_checks_before_it_starts(monkeypatch):
   with pytest.raises(ValueError, match="all_gather_matmul: environment variable "
                                        "JAXFLUX_AG_GEMM_CONFIG='9'"):
     all_gather.call_group_op("all_gather_matmul", (), (), "tp", 0)
+
+
+@pytest.mark.parametrize("call", [
+    lambda x, w: gemm.gemm(x, w), lambda x, w: gemm.gemm_own_rows(x, w, x[:, :16])])
+def test_the_single_gpu_gemms_check_before_they_register(monkeypatch, call):
+  """The GEMM-only ops (gemm._kernel_call) check too, once the platform could run them: with
+  the platform check faked, the knob's error comes before the FFI targets are registered."""
+  monkeypatch.setattr(_common, "platform_reason", lambda axis_name=None: None)
+  registered = []
+  monkeypatch.setattr(_runtime, "register_targets", lambda: registered.append(True))
+  monkeypatch.setenv("JAXFLUX_GEMM_PLAIN_SWIZZLE", "3")
+  x, w = jnp.ones((32, 64), jnp.bfloat16), jnp.ones((64, 16), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"^gemm(_own_rows)?: environment variable "
+                                       "JAXFLUX_GEMM_PLAIN_SWIZZLE='3'"):
+    call(x, w)
+  assert not registered
 
 
 def test_the_knobs_are_the_documented_ones():

@@ -82,16 +82,27 @@ def resolve_impl(op: str, impl: str, x, w, fused_supported, auto_prefers_fused=N
 
 
 def resolve_on_axis(op: str, impl: str, x, w, preferred_element_type, axis_name,
-                    unsupported_reason, auto_prefers_fused, transpose_w: bool = False) -> str:
-  """resolve_impl for an op inside shard_map: `unsupported_reason(x, w, preferred_element_type,
-  tp, axis_name)` and `auto_prefers_fused(x, w, tp)` are the op's own rules, given the axis.
-  With transpose_w, w is given as [N, K] and the rules see the [K, N] it stands for."""
+                    auto_prefers_fused, transpose_w: bool = False) -> str:
+  """resolve_impl for a fused op inside shard_map: both fused kernels run where
+  `fused_unsupported_reason` finds nothing; `auto_prefers_fused(x, w, tp)` is the op's own
+  measured policy. With transpose_w, w is given as [N, K] and the rules see the [K, N] it
+  stands for."""
   tp = lax.axis_size(axis_name)
   w = weight_for_checks(w, transpose_w)
   return resolve_impl(
       op, impl, x, w,
-      lambda x, w: unsupported_reason(x, w, preferred_element_type, tp, axis_name),
+      lambda x, w: fused_unsupported_reason(x, w, preferred_element_type, tp, axis_name),
       auto_prefers_fused=lambda x, w: auto_prefers_fused(x, w, tp))
+
+
+def fused_unsupported_reason(x, w, preferred_element_type, tp: int,
+                             axis_name: str) -> str | None:
+  """Why neither fused kernel can run on these per-device operands over `axis_name` here (the
+  platform, then the operands), or None."""
+  reason = platform_reason(axis_name)
+  if reason is not None:
+    return reason
+  return fused_operand_reason(x, w, preferred_element_type, tp)
 
 
 def _fused_dtype_error(op: str, x, w) -> str | None:

@@ -68,15 +68,6 @@ def apply(x, w, axis_name, return_gathered, impl, preferred_element_type, precis
                             _common.static_dtype(preferred_element_type), precision, transpose_w)
 
 
-def _fused_unsupported_reason(x, w, preferred_element_type, tp: int,
-                              axis_name: str) -> str | None:
-  """Why the fused AllGather+GEMM kernel cannot run on these operands here, or None."""
-  reason = _common.platform_reason(axis_name)
-  if reason is not None:
-    return reason
-  return _common.fused_operand_reason(x, w, preferred_element_type, tp)
-
-
 # impl="auto" takes the fused kernel only where the benchmark measured it ahead of XLA unfused:
 # on 2xH200 it won on every benchmark shape at M = 2048 and 8192 (1.02-1.27x,
 # benchmarks/results/ag_gemm_gpu_tp2_fused_2026-11-30.json). Smaller M and other tp are not
@@ -94,8 +85,7 @@ def _auto_prefers_fused(x, w, tp: int) -> bool:
 
 def _resolve(impl, x, w, preferred_element_type, axis_name, transpose_w=False) -> str:
   return _common.resolve_on_axis("all_gather_matmul", impl, x, w, preferred_element_type,
-                                 axis_name, _fused_unsupported_reason, _auto_prefers_fused,
-                                 transpose_w)
+                                 axis_name, _auto_prefers_fused, transpose_w)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))

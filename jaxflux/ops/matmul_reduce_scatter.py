@@ -69,15 +69,6 @@ def apply(x, w, axis_name, impl, preferred_element_type, precision, *, transpose
                                 transpose_w)
 
 
-def _fused_unsupported_reason(x, w, preferred_element_type, tp: int,
-                              axis_name: str) -> str | None:
-  """Why the fused GEMM+ReduceScatter kernel cannot run on these operands here, or None."""
-  reason = _common.platform_reason(axis_name)
-  if reason is not None:
-    return reason
-  return _common.fused_operand_reason(x, w, preferred_element_type, tp)
-
-
 # impl="auto" runs the fused kernel inside the region where it was measured ahead of XLA by more
 # than the run-to-run noise (benchmarks/README.md, 2xH200, tp=2): from M = 2048 rows up, unless
 # the per-device GEMM is so long that the communication it hides is a few percent of it and the
@@ -99,8 +90,7 @@ def _auto_prefers_fused(x, w, tp: int) -> bool:
 
 def _resolve(impl, x, w, preferred_element_type, axis_name, transpose_w=False) -> str:
   return _common.resolve_on_axis("matmul_reduce_scatter", impl, x, w, preferred_element_type,
-                                 axis_name, _fused_unsupported_reason, _auto_prefers_fused,
-                                 transpose_w)
+                                 axis_name, _auto_prefers_fused, transpose_w)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))

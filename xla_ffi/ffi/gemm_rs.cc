@@ -198,16 +198,16 @@ bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k, si
 // JAXFLUX_GEMM_RS_SCHEDULE=cooperative|pingpong forces one (tests, measurement).
 constexpr size_t kPingpongMaxK = 16384;
 
-enum class Schedule { kChoose, kCooperative, kPingpong, kInvalid };
+enum class Schedule { kChoose, kCooperative, kPingpong };
 
+// Any other value is refused earlier, at trace time (jaxflux/_knobs.py), as for every knob.
 Schedule ForcedSchedule() {
   static const Schedule forced = [] {
     const char* env = std::getenv("JAXFLUX_GEMM_RS_SCHEDULE");
-    if (env == nullptr || *env == '\0') return Schedule::kChoose;
-    const std::string v(env);
+    const std::string v = env != nullptr ? env : "";
     return v == "cooperative" ? Schedule::kCooperative
            : v == "pingpong"  ? Schedule::kPingpong
-                              : Schedule::kInvalid;
+                              : Schedule::kChoose;
   }();
   return forced;
 }
@@ -247,12 +247,6 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   Shapes s;
   if (ffi::Error e = CheckInputs(x, w, rank_info, *z, tp, transpose_w, &s); e.failure()) {
     return e;
-  }
-  // jaxflux/_knobs.py fails the trace on a bad value first; this catches one set after it.
-  if (ForcedSchedule() == Schedule::kInvalid) {  // before any rank takes part
-    return ffi::Error::InvalidArgument(
-        "jaxflux matmul_reduce_scatter: JAXFLUX_GEMM_RS_SCHEDULE must be unset, 'cooperative' "
-        "or 'pingpong'; got '" + std::string(std::getenv("JAXFLUX_GEMM_RS_SCHEDULE")) + "'");
   }
   if (reduce_mode < 0 || reduce_mode > 2 ||
       (static_cast<ReduceMode>(reduce_mode) == ReduceMode::kEpilogue && tp != 2)) {

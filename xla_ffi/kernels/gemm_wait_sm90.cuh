@@ -11,30 +11,12 @@
 namespace jaxflux::gemm_wait {
 
 CUTLASS_DEVICE void Poll(AgGemmWait const& w, int source, int chunk) {
-  const uint64_t* flag = w.flags[source];
   const uint64_t target = w.flag_base + static_cast<uint64_t>(chunk) + 1;
-  uint64_t seen = device::LoadAcquireSys(flag);
-  if (seen >= target) return;
-  const uint64_t start = device::GlobalTimerNs();
-  for (uint32_t spins = 1; seen < target; ++spins) {
-    if ((spins & 63u) == 0) {
-      // Stop soon after any wait has failed (the results are void anyway), so a dead peer
-      // costs one timeout, not one per tile. The record is host memory: read over PCIe by
-      // every spinning CTA, often, it slowed the peer's copy-engine push into this GPU 19-24x
-      // (a 64 MiB push took 3.2-4.2 ms, not 0.17: benchmarks/README.md), so only every 4096th.
-      if ((spins & 4095u) == 0 && w.error != nullptr &&
-          *reinterpret_cast<volatile int32_t*>(&w.error->ready)) {
-        return;
-      }
-      if (device::GlobalTimerNs() - start > w.timeout_ns) {
-        device::RecordError(w.error, ErrorKind::kTimeout, w.op, w.device, w.rank,
-                            w.source_ranks[source], w.group, target, seen, w.epoch,
-                            w.timeout_ns);
-        return;
-      }
-    }
-    __nanosleep(128);
-    seen = device::LoadAcquireSys(flag);
+  uint64_t seen = 0;
+  if (device::BoundedWait(w.flags[source], target, w.timeout_ns, w.error, &seen) ==
+      device::WaitResult::kTimedOut) {
+    device::RecordError(w.error, ErrorKind::kTimeout, w.op, w.device, w.rank,
+                        w.source_ranks[source], w.group, target, seen, w.epoch, w.timeout_ns);
   }
 }
 

@@ -30,11 +30,13 @@ __global__ void __launch_bounds__(kThreads) WaitReduceKernel(WaitReduceParams p)
     for (int r = 0; r < p.tp; ++r) {
       if (p.flags[r] == nullptr) continue;
       uint64_t seen = 0;
-      if (!device::BoundedWait(p.flags[r], p.target, p.timeout_ns, &seen)) {
+      const device::WaitResult result =
+          device::BoundedWait(p.flags[r], p.target, p.timeout_ns, p.error, &seen);
+      if (result == device::WaitResult::kTimedOut) {
         device::RecordError(p.error, ErrorKind::kTimeout, p.op, p.device, p.rank, r, -1,
                             p.target, seen, p.epoch, p.timeout_ns);
-        break;  // the results are void; don't wait out the timeout once per peer
       }
+      if (result != device::WaitResult::kLanded) break;  // the results are void
     }
   }
   __syncthreads();

@@ -9,35 +9,6 @@ namespace {
 constexpr int kCopyThreads = 512;
 constexpr int kCopyUnroll = 4;
 
-enum class WaitResult { kLanded, kTimedOut, kGaveUp };
-
-// Bounded wait that gives up at once when any wait has already failed (the call's results are
-// void then, and a dead peer should cost one timeout, not one per block and chunk).
-__device__ WaitResult WaitForSegment(const GatherParams& p, const GatherSegment& s,
-                                     uint64_t* seen) {
-  const uint64_t start = device::GlobalTimerNs();
-  uint64_t v = device::LoadAcquireSys(s.flag);
-  for (uint32_t spins = 1; v < s.target; ++spins) {
-    if ((spins & 63u) == 0) {
-      // The record is host memory: read often by every spinning block, it slows the copy
-      // engines' pushes this kernel waits for (19x, docs/runtime.md), so only every 4096th spin.
-      if ((spins & 4095u) == 0 && p.error != nullptr &&
-          *reinterpret_cast<volatile int32_t*>(&p.error->ready)) {
-        *seen = v;
-        return WaitResult::kGaveUp;
-      }
-      if (device::GlobalTimerNs() - start > p.timeout_ns) {
-        *seen = v;
-        return WaitResult::kTimedOut;
-      }
-    }
-    __nanosleep(128);
-    v = device::LoadAcquireSys(s.flag);
-  }
-  *seen = v;
-  return WaitResult::kLanded;
-}
-
 // This block's share of a segment: the grid is viewed as gy row groups of gx blocks each, so
 // that a few tall rows and many short ones both spread over every block.
 __device__ void CopySegment(const GatherParams& p, const GatherSegment& s) {
@@ -88,7 +59,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2) GatherKernel(const __grid_con
     if (s.flag != nullptr) {
       if (threadIdx.x == 0) {
         uint64_t seen = 0;
-        if (WaitForSegment(p, s, &seen) == WaitResult::kTimedOut) {
+        if (device::BoundedWait(s.flag, s.target, p.timeout_ns, p.error, &seen) ==
+            device::WaitResult::kTimedOut) {
           device::RecordError(p.error, ErrorKind::kTimeout, p.op, p.device, p.rank, s.peer,
                               p.group, s.target, seen, p.epoch, p.timeout_ns);
         }

@@ -46,22 +46,43 @@ __device__ __forceinline__ void RecordError(DeviceErrorRecord* r, ErrorKind kind
   atomicExch_system(&r->ready, 1);
 }
 
-// Spins until *flag >= target or the timeout passes. Never traps: a trap would kill the CUDA
-// context that XLA shares; a timeout records the error and lets the stream move on.
-__device__ __forceinline__ bool BoundedWait(const uint64_t* flag, uint64_t target,
-                                            uint64_t timeout_ns, uint64_t* seen) {
-  const uint64_t start = GlobalTimerNs();
+enum class WaitResult { kLanded, kTimedOut, kGaveUp };
+
+// The one spin-wait of every jaxflux kernel: until *flag >= target, bounded. Returns kTimedOut
+// once timeout_ns has passed (the caller records the error: it knows the op, rank and peer), and
+// kGaveUp as soon as `error` shows that some wait has already failed (the call's results are
+// void then, and a dead peer should cost one timeout, not one per block, tile or chunk). Never
+// traps: a trap would kill the CUDA context that XLA shares. *seen is the last value read.
+__device__ __forceinline__ WaitResult BoundedWait(const uint64_t* flag, uint64_t target,
+                                                  uint64_t timeout_ns,
+                                                  const DeviceErrorRecord* error,
+                                                  uint64_t* seen) {
   uint64_t v = LoadAcquireSys(flag);
-  uint32_t spins = 0;
-  while (v < target) {
-    if ((++spins & 255u) == 0 && GlobalTimerNs() - start > timeout_ns) {
-      *seen = v;
-      return false;
+  if (v >= target) {  // the common case reads no timer
+    *seen = v;
+    return WaitResult::kLanded;
+  }
+  const uint64_t start = GlobalTimerNs();
+  for (uint32_t spins = 1; v < target; ++spins) {
+    if ((spins & 63u) == 0) {
+      // The record is host memory: read over PCIe by every spinning thread, often, it slowed
+      // the copy engines' pushes into this GPU 19-24x (a 64 MiB push took 3.2-4.2 ms, not 0.17:
+      // docs/runtime.md, benchmarks/README.md), so only every 4096th spin.
+      if ((spins & 4095u) == 0 && error != nullptr &&
+          *reinterpret_cast<const volatile int32_t*>(&error->ready)) {
+        *seen = v;
+        return WaitResult::kGaveUp;
+      }
+      if (GlobalTimerNs() - start > timeout_ns) {
+        *seen = v;
+        return WaitResult::kTimedOut;
+      }
     }
+    __nanosleep(128);
     v = LoadAcquireSys(flag);
   }
   *seen = v;
-  return true;
+  return WaitResult::kLanded;
 }
 
 }  // namespace jaxflux::device
