@@ -63,11 +63,15 @@
 #             benchmarks/ncu_gemms.py table): AG+GEMM's GEMM-only mode in each tile config and as
 #             chosen; GEMM+RS's own rows with C in both schedules and both tile orders; the
 #             GEMM-only op (CUTLASS's scheduler) on the whole local GEMM. One GPU (~5 min)
+#   kmajorrows GEMM+RS's own-rows kernel with the weight read K-major (the fused op's backward of
+#             a column-parallel layer), one GPU: its GPU tests, then both schedules in both tile
+#             orders on every gemm_rs shape's own rows at $GEMM_M, against cuBLAS on the same
+#             [N, K] weight (benchmarks/ncu_gemms.py table; ~4 min)
 # Needs .whl/ with the CUTLASS wheel (pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0),
 # carried to the machine. Stages are bounded by timeouts so one slow stage can't eat the lease.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
-STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect ownrows power swizzle ncu tables timelines rsschedule gemmtable}
+STAGES=${STAGES:-tests clock allgather bench train profile losses trainshapes processes kmajor kmajortrain rspush localdirect ownrows power swizzle ncu tables timelines rsschedule gemmtable kmajorrows}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 JAXFLUX_CUDA=ON
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
@@ -354,16 +358,16 @@ if stage rsschedule; then
   done
 fi
 
+# The single-GPU GEMMs each device runs at tp=2, every shape of one op at $GEMM_M, timed against
+# cuBLAS in interleaved rounds (benchmarks/ncu_gemms.py table): name, then the table's arguments.
+run_table() {
+  local name=$1; shift
+  timeout ${GEMM_TABLE_TIMEOUT:-240} python3 benchmarks/ncu_gemms.py table \
+    --M "${GEMM_M:-2048,4096,8192,16384}" --rounds ${GEMM_ROUNDS:-7} "$@" \
+    --json "$OUTDIR/gemm_table_$name.json" 2>&1 | grep -v "^[WEI][0-9 ]" || status=1
+}
+
 if stage gemmtable; then
-  # One GPU is enough: the GEMMs each device runs at tp=2, every shape of both ops at $GEMM_M,
-  # timed against cuBLAS in interleaved rounds (benchmarks/ncu_gemms.py table).
-  gm=${GEMM_M:-2048,4096,8192,16384}
-  run_table() {  # name, then ncu_gemms.py table arguments
-    local name=$1; shift
-    timeout ${GEMM_TABLE_TIMEOUT:-240} python3 benchmarks/ncu_gemms.py table --M "$gm" \
-      --rounds ${GEMM_ROUNDS:-7} "$@" \
-      --json "$OUTDIR/gemm_table_$name.json" 2>&1 | grep -v "^[WEI][0-9 ]" || status=1
-  }
   run_table ag_gemm_configs --op ag_gemm --variants \
     cublas,ag_gemm_only,ag_gemm_only_config0,ag_gemm_only_config1,ag_gemm_only_config2,ag_gemm_only_config3
   # Own rows: with C (the epilogue reduction) in both schedules and tile orders; without C, the
@@ -371,6 +375,14 @@ if stage gemmtable; then
   run_table gemm_rs_own_rows --op gemm_rs --part own_rows --variants \
     cublas,own_rows_c,own_rows_c_pingpong,own_rows_c_chunked,own_rows_c_chunked_pingpong,cutlass,ag_gemm_only,ag_gemm_only_config0,ag_gemm_only_config3
   run_table gemm_rs_device --op gemm_rs --part device --variants cublas,cutlass
+fi
+
+if stage kmajorrows; then
+  timeout 240 python3 -m pytest -q -m gpu tests/test_gemm_gpu.py -k "transposed_weight" \
+    -p no:cacheprovider > "$OUTDIR/gpu_tests_kmajor_rows.log" 2>&1 || status=1
+  tail -2 "$OUTDIR/gpu_tests_kmajor_rows.log"
+  run_table gemm_rs_own_rows_kmajor --op gemm_rs --part own_rows --variants \
+    cublas_kmajor,own_rows_c_kmajor,own_rows_c_pingpong_kmajor,own_rows_c_chunked_kmajor,own_rows_c_chunked_pingpong_kmajor,cublas
 fi
 
 echo "end at $(( $(date +%s) - T0 )) s, status $status"

@@ -23,6 +23,9 @@ JAX's whole memory pool (with both, two of the first reports on the GPU ran past
   own_rows_c_chunked_cutlass_scheduler  the same under CUTLASS's scheduler: what the fused
                       ops' scheduler costs apart from the source-C epilogue
   own_rows_c[_chunked]_pingpong  the own-rows kernel with ping-pong 128x128 tiles
+  own_rows_c[_chunked][_pingpong]_kmajor  ... with the weight given as [N, K], read K-major (the
+                      fused op's backward of a column-parallel layer)
+  cublas_kmajor       XLA's dot of x with the [N, K] weight, contracted in place (x @ wᵀ)
   ag_gemm_only_configI  ag_gemm_only with its tile config forced to AG_GEMM_CONFIGS[I]
                       (jaxflux.ops.gemm), not the kernel's choice
 `summarize` prints, per CSV (one variant each), the last profiled kernel (the last call): time,
@@ -58,18 +61,29 @@ import sys
 METRICS = ("gpu__time_duration.sum", "sm__cycles_elapsed.max", "dram__bytes_read.sum",
            "dram__bytes_write.sum", "lts__t_sector_hit_rate.pct",
            "sm__throughput.avg.pct_of_peak_sustained_elapsed")
-VARIANTS = ("cublas", "cutlass", "ag_gemm_only", "own_rows", "own_rows_c", "own_rows_chunked",
-            "own_rows_c_chunked", "own_rows_c_chunked_cutlass_scheduler", "own_rows_c_pingpong",
-            "own_rows_c_chunked_pingpong") + tuple(f"ag_gemm_only_config{i}" for i in range(4))
+VARIANTS = ("cublas", "cublas_kmajor", "cutlass", "ag_gemm_only", "own_rows", "own_rows_c",
+            "own_rows_chunked", "own_rows_c_chunked", "own_rows_c_chunked_cutlass_scheduler",
+            "own_rows_c_pingpong", "own_rows_c_chunked_pingpong", "own_rows_c_kmajor",
+            "own_rows_c_pingpong_kmajor", "own_rows_c_chunked_kmajor",
+            "own_rows_c_chunked_pingpong_kmajor") + tuple(f"ag_gemm_only_config{i}"
+                                                          for i in range(4))
+
+
+def kmajor(variant: str) -> bool:
+  """Whether `variant` takes the weight as [N, K] (the others: [K, N])."""
+  return variant.endswith("_kmajor")
 
 
 def make_call(variant: str):
-  """The jitted single-device function of `variant`: (x, w, c) -> x @ w [+ c]."""
+  """The jitted single-device function of `variant`: (x, w, c) -> x @ w [+ c], w [K, N]; or,
+  for the kmajor variants, (x, wt, c) -> x @ wtᵀ [+ c], wt [N, K]."""
   import jax
 
   from jaxflux.ops import gemm as gemm_module
   if variant == "cublas":
     return jax.jit(lambda x, w, c: x @ w)
+  if variant == "cublas_kmajor":
+    return jax.jit(lambda x, wt, c: jax.lax.dot_general(x, wt, (((1,), (1,)), ((), ()))))
   if variant == "cutlass":
     return jax.jit(lambda x, w, c: gemm_module.gemm(x, w))
   if variant == "ag_gemm_only":
@@ -85,22 +99,24 @@ def make_call(variant: str):
   raise SystemExit(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
 
 
-def operands(m: int, k: int, n: int):
-  """Random bf16 x [m, k], w [k, n], c [m, n] on the first device."""
+def operands(m: int, k: int, n: int, variant: str = "cublas"):
+  """Random bf16 x [m, k], w [k, n] (or [n, k] for a kmajor variant), c [m, n] on the first
+  device."""
   import jax
   import jax.numpy as jnp
 
   device = jax.devices()[0]
   keys = jax.random.split(jax.random.key(0), 3)
+  w_shape = (n, k) if kmajor(variant) else (k, n)
   return tuple(jax.device_put(jax.random.normal(key, shape, jnp.bfloat16), device)
-               for key, shape in zip(keys, ((m, k), (k, n), (m, n))))
+               for key, shape in zip(keys, ((m, k), w_shape, (m, n))))
 
 
 def run(variant: str, m: int, k: int, n: int, calls: int) -> None:
   import jax
 
   device = jax.devices()[0]
-  x, w, c = operands(m, k, n)
+  x, w, c = operands(m, k, n, variant)
   call = make_call(variant)
   # The first call compiles (and XLA autotunes cuBLAS's algorithms: dozens of kernels ncu would
   # replay pass by pass) outside the profiled range; ncu runs with --profile-from-start off.
@@ -182,16 +198,20 @@ def time_variants(variants: list[str], m: int, k: int, n: int, calls: int,
   list, so that no variant always runs first or always after the same one."""
   import time
 
+  import jax
+
   x, w, c = operands(m, k, n)
+  wt = jax.jit(lambda w: w.T)(w) if any(map(kmajor, variants)) else None  # [N, K] in memory
+  args = {v: (x, wt if kmajor(v) else w, c) for v in variants}
   fns = {v: make_call(v) for v in variants}
   for v in variants:  # compile (and XLA's autotuning) outside the timed rounds
-    fns[v](x, w, c).block_until_ready()
+    fns[v](*args[v]).block_until_ready()
   times: dict[str, list[float]] = {v: [] for v in variants}
   for r in range(rounds + 1):
     for v in variants[r % len(variants):] + variants[:r % len(variants)]:
       start = time.perf_counter()
       for _ in range(calls):
-        out = fns[v](x, w, c)
+        out = fns[v](*args[v])
       out.block_until_ready()
       if r > 0:  # round 0 warms up
         times[v].append((time.perf_counter() - start) / calls * 1e6)

@@ -60,7 +60,9 @@ def test_own_rows_modes_pass_c_only_when_named(monkeypatch):
   timeline = load_script(SCRIPT, "fused_timeline")
   seen = {}
 
-  def fake_own_rows(x, w, c=None, *, chunked=False, scheduler="fused", schedule="cooperative"):
+  def fake_own_rows(x, w, c=None, *, chunked=False, scheduler="fused", schedule="cooperative",
+                    transpose_w=False):
+    assert not transpose_w  # the timeline's modes take the weight as the forward op does
     seen[mode] = (c is not None, chunked, scheduler, schedule)
     return x @ w
 

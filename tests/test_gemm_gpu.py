@@ -111,6 +111,26 @@ def test_own_rows_kernel_checks_its_scheduler_at_trace_time():
   with pytest.raises(ValueError, match=r"scheduler='cutlass' runs the cooperative schedule only"):
     jax.eval_shape(functools.partial(gemm_own_rows, scheduler="cutlass", schedule="pingpong"),
                    x, w)
+  with pytest.raises(ValueError, match=r"scheduler='cutlass' reads the weight N-major only"):
+    jax.eval_shape(functools.partial(gemm_own_rows, scheduler="cutlass", transpose_w=True), x,
+                   jax.ShapeDtypeStruct((32, 16), jnp.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
+@pytest.mark.parametrize("x_shape,n", [((2048, 1024), 2048), ((1000, 264), 136)])
+def test_own_rows_kernel_alone_reads_a_transposed_weight(dtype, chunked, schedule, x_shape, n):
+  """transpose_w: the weight given as [N, K] and read K-major (the fused op's backward of a
+  column-parallel layer), with C, in both schedules and both tile orders."""
+  x, w = gpu_util.operands(4, x_shape, (x_shape[-1], n), dtype)
+  c = jax.random.normal(jax.random.key(5), x_shape[:-1] + (n,), jnp.float32).astype(dtype)
+  f = jax.jit(functools.partial(gemm_own_rows, chunked=chunked, schedule=schedule,
+                                transpose_w=True))
+  got = f(x, jnp.asarray(w.T), c)
+  assert got.shape == x_shape[:-1] + (n,) and got.dtype == dtype
+  assert rel_err(got, reference(x, w) + c.astype(jnp.float32)) <= TOL[dtype]
 
 
 def test_own_rows_kernel_checks_c_at_trace_time():
@@ -120,18 +140,24 @@ def test_own_rows_kernel_checks_c_at_trace_time():
     jax.eval_shape(gemm_own_rows, x, w, jax.ShapeDtypeStruct((64, 16), jnp.bfloat16))
   with pytest.raises(ValueError, match=r"K=16 and N=36 must be multiples of 8"):
     jax.eval_shape(gemm_own_rows, x, jax.ShapeDtypeStruct((16, 36), jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"K=16 and N=36 must be multiples of 8"):  # [N, K] given
+    jax.eval_shape(functools.partial(gemm_own_rows, transpose_w=True), x,
+                   jax.ShapeDtypeStruct((36, 16), jnp.bfloat16))
 
 
 def test_own_rows_variant_names_map_to_the_probe_arguments():
   from jaxflux.ops.gemm import own_rows_variant
-  coop = {"scheduler": "fused", "schedule": "cooperative"}
+  coop = {"scheduler": "fused", "schedule": "cooperative", "transpose_w": False}
   assert own_rows_variant("own_rows") == (False, {"chunked": False, **coop})
   # "_chunked" holds "_c": chunked without C reads no C (sessions 9-10 passed one).
   assert own_rows_variant("own_rows_chunked") == (False, {"chunked": True, **coop})
   assert own_rows_variant("own_rows_c_chunked_cutlass_scheduler") == (
-      True, {"chunked": True, "scheduler": "cutlass", "schedule": "cooperative"})
+      True, {"chunked": True, "scheduler": "cutlass", "schedule": "cooperative",
+             "transpose_w": False})
   assert own_rows_variant("own_rows_c_chunked_pingpong") == (
-      True, {"chunked": True, "scheduler": "fused", "schedule": "pingpong"})
+      True, {"chunked": True, "scheduler": "fused", "schedule": "pingpong", "transpose_w": False})
+  assert own_rows_variant("own_rows_c_pingpong_kmajor") == (
+      True, {"chunked": False, "scheduler": "fused", "schedule": "pingpong", "transpose_w": True})
   with pytest.raises(ValueError, match="'own_rows_chunked_c' is not one of"):
     own_rows_variant("own_rows_chunked_c")
 

@@ -90,6 +90,24 @@ def test_time_runs_on_cpu_and_records_its_command(tmp_path, capsys):
     ncu.main(["time", "cublas,nope", "16", "32", "8"])
 
 
+def test_kmajor_variants_take_the_weight_transposed(tmp_path):
+  """cublas_kmajor multiplies by the [N, K] weight contracted in place: the same product as
+  cublas with the [K, N] one (CPU); `time` hands each variant the weight it takes."""
+  import jax
+  import numpy as np
+  ncu = load_script(SCRIPT, "ncu_gemms")
+  x, w, c = ncu.operands(16, 32, 24)
+  xt, wt, _ = ncu.operands(16, 32, 24, "own_rows_c_chunked_pingpong_kmajor")
+  assert wt.shape == (24, 32) and w.shape == (32, 24)
+  want = np.asarray(ncu.make_call("cublas")(x, w, c), np.float32)
+  got = np.asarray(ncu.make_call("cublas_kmajor")(x, jax.numpy.asarray(w.T), c), np.float32)
+  np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+  assert np.linalg.norm(want) > 0
+  times = ncu.time_variants(["cublas", "cublas_kmajor"], 16, 32, 24, calls=2, rounds=2)
+  assert [len(t) for t in times.values()] == [2, 2]
+  assert ncu.kmajor("own_rows_c_kmajor") and not ncu.kmajor("own_rows_c")
+
+
 def test_table_shapes_are_the_per_device_gemms():
   """ag_gemm: the gathered rows times the weight's N/tp columns; gemm_rs: K/tp, all M rows for
   the device's GEMM, M/tp rows for the own rows it reduces into."""

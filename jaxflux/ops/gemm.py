@@ -84,7 +84,7 @@ OWN_ROWS_SCHEDULES = ("cooperative", "pingpong")
 
 
 def gemm_own_rows(x, w, c=None, *, chunked: bool = False, scheduler: str = "fused",
-                  schedule: str = "cooperative"):
+                  schedule: str = "cooperative", transpose_w: bool = False):
   """x [..., M, K] @ w [K, N] (+ c [..., M, N]) with the fused GEMM+ReduceScatter's own-rows
   kernel alone (tp = 2's epilogue reduction, communication off: no peer, no waits).
 
@@ -96,6 +96,8 @@ def gemm_own_rows(x, w, c=None, *, chunked: bool = False, scheduler: str = "fuse
   GEMM, tile order and epilogue under CUTLASS's own scheduler): what the scheduler itself costs.
   schedule: "cooperative" (128x256 tiles) or "pingpong" (128x128 tiles, the two consumer warp
   groups alternating tiles), the two the fused op chooses from (JAXFLUX_GEMM_RS_SCHEDULE).
+  transpose_w: w is given as [N, K] and read K-major, as the fused op reads it in the backward
+  of a column-parallel layer (the fused scheduler only).
   """
   op = "gemm_own_rows"
   if scheduler not in OWN_ROWS_SCHEDULERS:
@@ -105,7 +107,10 @@ def gemm_own_rows(x, w, c=None, *, chunked: bool = False, scheduler: str = "fuse
   if scheduler == "cutlass" and schedule != "cooperative":
     raise ValueError(f"{op}: scheduler='cutlass' runs the cooperative schedule only; pass "
                      "schedule='cooperative' or scheduler='fused'.")
-  _, n = _check_operands(op, x, w)
+  if scheduler == "cutlass" and transpose_w:
+    raise ValueError(f"{op}: scheduler='cutlass' reads the weight N-major only; pass "
+                     "transpose_w=False or scheduler='fused'.")
+  _, n = _check_operands(op, x, _common.weight_for_checks(w, transpose_w))
   out_shape = x.shape[:-1] + (n,)
   if c is not None and (tuple(c.shape) != out_shape or c.dtype != x.dtype):
     raise ValueError(f"{op}: c must have the output's shape {out_shape} and dtype {x.dtype}; "
@@ -113,15 +118,19 @@ def gemm_own_rows(x, w, c=None, *, chunked: bool = False, scheduler: str = "fuse
   source = c if c is not None else jax.numpy.zeros((8,), x.dtype)  # not read without c
   return _kernel_call(op, "jaxflux_gemm_own_rows", jax.ShapeDtypeStruct(out_shape, x.dtype),
                       x, w, source, with_c=c is not None, chunked=chunked,
-                      cutlass_scheduler=scheduler == "cutlass", pingpong=schedule == "pingpong")
+                      cutlass_scheduler=scheduler == "cutlass", pingpong=schedule == "pingpong",
+                      transpose_w=transpose_w)
 
 
 # The own-rows kernel's measured variants by name, as the benchmark scripts
 # (benchmarks/ncu_gemms.py, benchmarks/fused_timeline.py) spell them:
-# own_rows[_c][_chunked][_cutlass_scheduler|_pingpong].
+# own_rows[_c][_chunked][_cutlass_scheduler|_pingpong][_kmajor]; _kmajor variants take the
+# weight as [N, K] (transpose_w).
 OWN_ROWS_VARIANTS = ("own_rows", "own_rows_c", "own_rows_chunked", "own_rows_c_chunked",
                      "own_rows_c_chunked_cutlass_scheduler", "own_rows_c_pingpong",
-                     "own_rows_c_chunked_pingpong")
+                     "own_rows_c_chunked_pingpong", "own_rows_c_kmajor",
+                     "own_rows_c_pingpong_kmajor", "own_rows_c_chunked_kmajor",
+                     "own_rows_c_chunked_pingpong_kmajor")
 
 
 def own_rows_variant(name: str) -> tuple[bool, dict]:
@@ -132,7 +141,8 @@ def own_rows_variant(name: str) -> tuple[bool, dict]:
   words = name.split("_")  # by word: "_c" is also in "_chunked"
   return "c" in words, {"chunked": "chunked" in words,
                         "scheduler": "cutlass" if "scheduler" in words else "fused",
-                        "schedule": "pingpong" if "pingpong" in words else "cooperative"}
+                        "schedule": "pingpong" if "pingpong" in words else "cooperative",
+                        "transpose_w": "kmajor" in words}
 
 
 __all__ = ["gemm", "gemm_own_rows"]

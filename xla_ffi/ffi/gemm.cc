@@ -28,12 +28,12 @@ namespace {
 // fusion costs the GEMM.
 constexpr int64_t kTileOrderCutlass = 0, kTileOrderAllGather = 1, kTileOrderPerOwner = 2;
 
-// The GEMM's operands: a [..., M, K] and b [K, N] (leading axes of a fold into M), d [..., M, N],
-// one dtype, bf16 or fp16. Sets m, n, k; *done when there is nothing to compute (an empty
-// output, or K = 0, where d is zeroed on `stream`).
+// The GEMM's operands: a [..., M, K] and b [K, N] (or [N, K] with b_kmajor; leading axes of a
+// fold into M), d [..., M, N], one dtype, bf16 or fp16. Sets m, n, k; *done when there is
+// nothing to compute (an empty output, or K = 0, where d is zeroed on `stream`).
 ffi::Error CheckOperands(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                         ffi::Result<ffi::AnyBuffer>& d, int64_t* m, int64_t* n, int64_t* k,
-                         bool* done) {
+                         ffi::Result<ffi::AnyBuffer>& d, bool b_kmajor, int64_t* m, int64_t* n,
+                         int64_t* k, bool* done) {
   *done = false;
   const auto dtype = a.element_type();
   if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
@@ -44,11 +44,14 @@ ffi::Error CheckOperands(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
   }
   const auto a_dims = a.dimensions();
   const auto b_dims = b.dimensions();
-  if (a_dims.size() < 2 || b_dims.size() != 2 || a_dims.back() != b_dims[0]) {
-    return ffi::Error::InvalidArgument("jaxflux gemm: expected a [..., M, K] and b [K, N]");
+  const int k_axis = b_kmajor ? 1 : 0;
+  if (a_dims.size() < 2 || b_dims.size() != 2 || a_dims.back() != b_dims[k_axis]) {
+    return ffi::Error::InvalidArgument(b_kmajor
+                                           ? "jaxflux gemm: expected a [..., M, K] and b [N, K]"
+                                           : "jaxflux gemm: expected a [..., M, K] and b [K, N]");
   }
-  *k = b_dims[0];
-  *n = b_dims[1];
+  *k = b_dims[k_axis];
+  *n = b_dims[1 - k_axis];
   *m = *k == 0 ? 0 : static_cast<int64_t>(a.element_count()) / *k;
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   if (*m > kIntMax || *n > kIntMax || *k > kIntMax) {
@@ -101,7 +104,8 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
                        int64_t tile_order, int64_t config, int64_t owners) {
   int64_t m = 0, n = 0, k = 0;
   bool done = false;
-  if (ffi::Error e = CheckOperands(stream, a, b, d, &m, &n, &k, &done); e.failure() || done) {
+  if (ffi::Error e = CheckOperands(stream, a, b, d, false, &m, &n, &k, &done);
+      e.failure() || done) {
     return e;
   }
   const auto dtype = a.element_type();
@@ -164,14 +168,17 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
 // GEMM, apart from the pushes that run beside it in the fused op; chunked = 1 sweeps the tiles
 // along N as the fused op does when the partial lands in row chunks (PlanEvenChunks);
 // cutlass_scheduler = 1 runs the same GEMM and epilogue under CUTLASS's own scheduler instead;
-// pingpong = 1 the ping-pong 128x128 tiles instead of cooperative 128x256 (RsGemmProblem).
+// pingpong = 1 the ping-pong 128x128 tiles instead of cooperative 128x256 (RsGemmProblem);
+// transpose_w = 1 takes b as [N, K] and reads it K-major, as the fused op does for the backward
+// of a column-parallel layer (fused scheduler only: RsGemmSm90 reports the other).
 ffi::Error GemmOwnRowsExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
                               ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer c,
                               ffi::Result<ffi::AnyBuffer> d, int64_t with_c, int64_t chunked,
-                              int64_t cutlass_scheduler, int64_t pingpong) {
+                              int64_t cutlass_scheduler, int64_t pingpong, int64_t transpose_w) {
   int64_t m = 0, n = 0, k = 0;
   bool done = false;
-  if (ffi::Error e = CheckOperands(stream, a, b, d, &m, &n, &k, &done); e.failure() || done) {
+  if (ffi::Error e = CheckOperands(stream, a, b, d, transpose_w != 0, &m, &n, &k, &done);
+      e.failure() || done) {
     return e;
   }
   if (with_c != 0 &&
@@ -184,6 +191,7 @@ ffi::Error GemmOwnRowsExecute(cudaStream_t stream, int32_t device, ffi::ScratchA
   RsGemmProblem own{};
   own.gemm = GemmProblem{a.untyped_data(), b.untyped_data(), d->untyped_data(),
                          static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), device};
+  own.gemm.b_kmajor = transpose_w != 0;
   own.c = with_c != 0 ? c.untyped_data() : nullptr;
   own.wait_for_flags = 0;
   own.cutlass_scheduler = cutlass_scheduler != 0 ? 1 : 0;
@@ -226,10 +234,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<xla::ffi::DeviceOrdinal>()                 // CUDA ordinal
         .Ctx<xla::ffi::ScratchAllocator>()              // CUTLASS workspace, if any
         .Arg<xla::ffi::AnyBuffer>()                     // a: [..., M, K]
-        .Arg<xla::ffi::AnyBuffer>()                     // b: [K, N]
+        .Arg<xla::ffi::AnyBuffer>()                     // b: [K, N] ([N, K]: transpose_w)
         .Arg<xla::ffi::AnyBuffer>()                     // c: [..., M, N] (with_c = 1)
         .Ret<xla::ffi::AnyBuffer>()                     // d: [..., M, N]
         .Attr<int64_t>("with_c")                        // 1: D = A·B + C; 0: D = A·B
         .Attr<int64_t>("chunked")                       // 1: tiles along N, as for chunks
         .Attr<int64_t>("cutlass_scheduler")             // 1: CUTLASS's scheduler (probe)
-        .Attr<int64_t>("pingpong"));                    // 1: ping-pong 128x128 tiles
+        .Attr<int64_t>("pingpong")                      // 1: ping-pong 128x128 tiles
+        .Attr<int64_t>("transpose_w"));                 // 1: b is [N, K], read K-major

@@ -194,7 +194,11 @@ bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k, si
 // out-projections from 4096 tokens) and 0.97-0.99x at 14336 (llama70b-fc2, 16384 tokens) in
 // both runs, and 1.01x at 24576 (gpt3-fc2). On the rows pushed whole (CUTLASS's raster order)
 // it is 0.97-1.04x at K_local <= 14336 and 0.98-1.21x at 24576. Hence ping-pong when the
-// partial goes in chunks and K_local <= kPingpongMaxK.
+// partial goes in chunks and K_local <= kPingpongMaxK. With the weight read K-major (the
+// backward of a column-parallel layer; session 14, two runs,
+// benchmarks/results/gemm_table_gemm_rs_own_rows_kmajor_s14_run{1,2}_*.json) the same rule
+// picks the faster schedule on every chunked row: 0.93-0.99x at K_local 4096 and 6144, 0.98x at
+// 14336, 1.04x at 24576.
 // JAXFLUX_GEMM_RS_SCHEDULE=cooperative|pingpong forces one (tests, measurement).
 constexpr size_t kPingpongMaxK = 16384;
 
