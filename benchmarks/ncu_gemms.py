@@ -22,7 +22,7 @@ JAX's whole memory pool (with both, two of the first reports on the GPU ran past
                       source C, and/or the tiles swept along N as for a chunked push
   own_rows_c_chunked_cutlass_scheduler  the same under CUTLASS's scheduler: what the fused
                       ops' scheduler costs apart from the source-C epilogue
-  own_rows_c[_chunked]_pingpong  the own-rows kernel with ping-pong 128x128 tiles
+  own_rows[_c][_chunked]_pingpong  the own-rows kernel with ping-pong 128x128 tiles
   own_rows_c[_chunked][_pingpong]_kmajor  ... with the weight given as [N, K], read K-major (the
                       fused op's backward of a column-parallel layer)
   cublas_kmajor       XLA's dot of x with the [N, K] weight, contracted in place (x @ wᵀ)
@@ -63,7 +63,8 @@ METRICS = ("gpu__time_duration.sum", "sm__cycles_elapsed.max", "dram__bytes_read
            "sm__throughput.avg.pct_of_peak_sustained_elapsed")
 VARIANTS = ("cublas", "cublas_kmajor", "cutlass", "ag_gemm_only", "own_rows", "own_rows_c",
             "own_rows_chunked", "own_rows_c_chunked", "own_rows_c_chunked_cutlass_scheduler",
-            "own_rows_c_pingpong", "own_rows_c_chunked_pingpong", "own_rows_c_kmajor",
+            "own_rows_pingpong", "own_rows_c_pingpong", "own_rows_chunked_pingpong",
+            "own_rows_c_chunked_pingpong", "own_rows_c_kmajor",
             "own_rows_c_pingpong_kmajor", "own_rows_c_chunked_kmajor",
             "own_rows_c_chunked_pingpong_kmajor") + tuple(f"ag_gemm_only_config{i}"
                                                           for i in range(4))

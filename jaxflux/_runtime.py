@@ -28,8 +28,11 @@ class _Settings:
   workspace_bytes: int | None = None
   sync_errors: bool = False
   # "state": ranks cached per executable instance (XLA FFI state); "site": cached per traced call
-  # site and device, checked on device every call. See docs/runtime.md.
-  rank_cache: str = os.environ.get("JAXFLUX_RANK_CACHE", "state")
+  # site and device, checked on device every call. See docs/runtime.md. Read from the
+  # environment when the settings are made (at import); unset or empty is the default, as for
+  # every knob (jaxflux/_knobs.py).
+  rank_cache: str = dataclasses.field(
+      default_factory=lambda: os.environ.get("JAXFLUX_RANK_CACHE") or "state")
 
 
 _settings = _Settings()

@@ -78,7 +78,9 @@ def test_own_rows_modes_pass_c_only_when_named(monkeypatch):
                   "own_rows_chunked": (False, True, "fused", coop),
                   "own_rows_c_chunked": (True, True, "fused", coop),
                   "own_rows_c_chunked_cutlass_scheduler": (True, True, "cutlass", coop),
+                  "own_rows_pingpong": (False, False, "fused", pp),
                   "own_rows_c_pingpong": (True, False, "fused", pp),
+                  "own_rows_chunked_pingpong": (False, True, "fused", pp),
                   "own_rows_c_chunked_pingpong": (True, True, "fused", pp)}
 
 

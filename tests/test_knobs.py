@@ -77,6 +77,18 @@ def test_the_single_gpu_gemms_check_before_they_register(monkeypatch, call):
   assert not registered
 
 
+@pytest.mark.parametrize("value,cache", [(None, "state"), ("", "state"), ("site", "site"),
+                                         ("state", "state")])
+def test_the_rank_cache_setting_reads_unset_and_empty_as_the_default(monkeypatch, value, cache):
+  """JAXFLUX_RANK_CACHE, read by the runtime's settings: empty is the default, as the check
+  takes it (an empty value once chose the site cache)."""
+  if value is None:
+    monkeypatch.delenv("JAXFLUX_RANK_CACHE", raising=False)
+  else:
+    monkeypatch.setenv("JAXFLUX_RANK_CACHE", value)
+  assert _runtime._Settings().rank_cache == cache
+
+
 def test_the_knobs_are_the_documented_ones():
   """docs/design.md's table of environment variables and KNOBS list the same kernel knobs."""
   documented = set(re.findall(r"^\| `(JAXFLUX_\w+)`", DESIGN.read_text(), re.M))

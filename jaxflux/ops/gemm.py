@@ -127,7 +127,8 @@ def gemm_own_rows(x, w, c=None, *, chunked: bool = False, scheduler: str = "fuse
 # own_rows[_c][_chunked][_cutlass_scheduler|_pingpong][_kmajor]; _kmajor variants take the
 # weight as [N, K] (transpose_w).
 OWN_ROWS_VARIANTS = ("own_rows", "own_rows_c", "own_rows_chunked", "own_rows_c_chunked",
-                     "own_rows_c_chunked_cutlass_scheduler", "own_rows_c_pingpong",
+                     "own_rows_c_chunked_cutlass_scheduler", "own_rows_pingpong",
+                     "own_rows_c_pingpong", "own_rows_chunked_pingpong",
                      "own_rows_c_chunked_pingpong", "own_rows_c_kmajor",
                      "own_rows_c_pingpong_kmajor", "own_rows_c_chunked_kmajor",
                      "own_rows_c_chunked_pingpong_kmajor")
