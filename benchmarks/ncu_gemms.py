@@ -294,23 +294,26 @@ def table_main(args, argv: list[str]) -> None:
   variants = parse_variants(args.variants)
   ms = [int(m) for m in args.M.split(",") if m]
   names = [n for n in args.shapes.split(",") if n] if args.shapes else None
-  results = []
-  print(f"{'shape':14s} {'M':>6s} {'per-device m x k x n':>22s}  " +
-        "  ".join(f"{v[:24]:>24s}" for v in variants))
-  for name, m, (gm, gk, gn) in table_shapes(args.op, ms, args.tp, args.part, names,
-                                            args.shapes_file):
-    times = time_variants(variants, gm, gk, gn, args.calls, args.rounds)
-    rows = report_times(times)
-    results.append({"shape": name, "M": m, "gemm": {"m": gm, "k": gk, "n": gn}, "rows": rows,
-                    "round_times_us": times})
-    cells = "  ".join(f"{r['median_us']:13.1f} x{r['ratio_to_first']:.3f}".rjust(24) for r in rows)
-    print(f"{name:14s} {m:6d} {f'{gm}x{gk}x{gn}':>22s}  {cells}")
+  shapes = table_shapes(args.op, ms, args.tp, args.part, names, args.shapes_file)
+  record = None
   if args.json:
     from jaxflux.bench import machine
     record = {**machine.provenance("benchmarks/ncu_gemms.py", argv), "op": args.op,
               "part": args.part, "tp": args.tp, "calls": args.calls, "rounds": args.rounds,
-              "variants": variants, "ratios_to": variants[0], "results": results}
+              "variants": variants, "ratios_to": variants[0], "results": [],
+              "rows_planned": len(shapes)}
     pathlib.Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+  print(f"{'shape':14s} {'M':>6s} {'per-device m x k x n':>22s}  " +
+        "  ".join(f"{v[:24]:>24s}" for v in variants))
+  for name, m, (gm, gk, gn) in shapes:
+    times = time_variants(variants, gm, gk, gn, args.calls, args.rounds)
+    rows = report_times(times)
+    cells = "  ".join(f"{r['median_us']:13.1f} x{r['ratio_to_first']:.3f}".rjust(24) for r in rows)
+    print(f"{name:14s} {m:6d} {f'{gm}x{gk}x{gn}':>22s}  {cells}")
+    if record is not None:  # rewritten after every row: a run cut short keeps what it measured
+      record["results"].append({"shape": name, "M": m, "gemm": {"m": gm, "k": gk, "n": gn},
+                                "rows": rows, "round_times_us": times})
+      pathlib.Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
 
 
 def main(argv=None) -> None:

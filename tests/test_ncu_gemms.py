@@ -133,6 +133,7 @@ def test_table_runs_on_cpu_into_one_json(tmp_path, capsys):
             "--rounds", "2", "--shapes-file", str(shapes), "--json", str(out)])
   record = json.loads(out.read_text())
   assert record["op"] == "ag_gemm" and record["ratios_to"] == "cublas"
+  assert record["rows_planned"] == len(record["results"]) == 2
   assert [(r["M"], r["gemm"]) for r in record["results"]] == [
       (8, {"m": 8, "k": 32, "n": 8}), (16, {"m": 16, "k": 32, "n": 8})]
   assert all(r["rows"][0]["ratio_to_first"] == 1.0 for r in record["results"])
