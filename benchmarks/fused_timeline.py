@@ -58,7 +58,8 @@ def gpu_events(trace_dir: pathlib.Path) -> list[tuple[str, str, float, float, st
 # gemm_rs's own-rows kernel (the epilogue reduction's GEMM) alone, communication off: without
 # and with its source C, in CUTLASS's tile order or swept along N as for chunked pushes (the
 # weight as the forward op gives it: the K-major variants are benchmarks/ncu_gemms.py's).
-OWN_ROWS_MODES = tuple(v for v in gemm_module.OWN_ROWS_VARIANTS if not v.endswith("_kmajor"))
+OWN_ROWS_MODES = tuple(v for v in gemm_module.OWN_ROWS_VARIANTS
+                       if not gemm_module.own_rows_variant(v)[1]["transpose_w"])
 
 
 def gemm_summary(events) -> list[tuple[str, int, float]]:

@@ -90,14 +90,14 @@ def test_time_runs_on_cpu_and_records_its_command(tmp_path, capsys):
     ncu.main(["time", "cublas,nope", "16", "32", "8"])
 
 
-def test_kmajor_variants_take_the_weight_transposed(tmp_path):
+def test_kmajor_variants_take_the_weight_transposed():
   """cublas_kmajor multiplies by the [N, K] weight contracted in place: the same product as
   cublas with the [K, N] one (CPU); `time` hands each variant the weight it takes."""
   import jax
   import numpy as np
   ncu = load_script(SCRIPT, "ncu_gemms")
   x, w, c = ncu.operands(16, 32, 24)
-  xt, wt, _ = ncu.operands(16, 32, 24, "own_rows_c_chunked_pingpong_kmajor")
+  _, wt, _ = ncu.operands(16, 32, 24, "own_rows_c_chunked_pingpong_kmajor")
   assert wt.shape == (24, 32) and w.shape == (32, 24)
   want = np.asarray(ncu.make_call("cublas")(x, w, c), np.float32)
   got = np.asarray(ncu.make_call("cublas_kmajor")(x, jax.numpy.asarray(w.T), c), np.float32)
