@@ -23,6 +23,7 @@ file(GLOB JAXFLUX_CUDA_SOURCES CONFIGURE_DEPENDS
      "${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi/runtime/*.cu"
      "${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi/runtime/*.cc"
      "${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi/kernels/*.cu"
+     "${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi/kernels/instantiations/*.cu"
      "${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi/ffi/*.cu"
      "${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi/ffi/*.cc")
 add_library(jaxflux_cuda STATIC ${JAXFLUX_CUDA_SOURCES})

@@ -1,4 +1,5 @@
-"""Native runtime: loads the extension, registers FFI targets, owns global settings.
+"""Native runtime: loads the extension, registers FFI targets, owns global settings, the
+symmetric workspace, multi-process rank discovery and the GPUs' SM counts.
 
 Without the CUDA build (or without a GPU) everything here degrades to "no fused kernels", and
 the ops run their pure-JAX reference path.
@@ -10,7 +11,6 @@ import dataclasses
 import functools
 import itertools
 import json
-import os
 import socket
 import threading
 
@@ -27,12 +27,6 @@ class _Settings:
   timeout_s: float = 30.0
   workspace_bytes: int | None = None
   sync_errors: bool = False
-  # "state": ranks cached per executable instance (XLA FFI state); "site": cached per traced call
-  # site and device, checked on device every call. See docs/runtime.md. Read from the
-  # environment when the settings are made (at import); unset or empty is the default, as for
-  # every knob (jaxflux/_knobs.py).
-  rank_cache: str = dataclasses.field(
-      default_factory=lambda: os.environ.get("JAXFLUX_RANK_CACHE") or "state")
 
 
 _settings = _Settings()
@@ -59,8 +53,17 @@ def local_gpus() -> tuple:
 
 def has_cuda() -> bool:
   """True for a CUDA build of jaxflux with at least one CUDA GPU visible. (Whether the fused
-  kernels can run on these GPUs, Hopper only, is `ops._common.platform_reason`'s question.)"""
+  kernels can run on these GPUs, Hopper only, is `ops._platform.platform_reason`'s question.)"""
   return cuda_built() and len(_gpu_devices()) > 0
+
+
+@functools.cache
+def sm_count() -> int:
+  """Streaming multiprocessors of this process's first GPU (lowest CUDA ordinal), as the
+  kernels' grids see them; 0 without a CUDA build and GPU, or where it can't be read."""
+  if not has_cuda():
+    return 0
+  return int(_ext.sm_count(min(d.local_hardware_id for d in _gpu_devices())))
 
 
 def gpu_compute_capabilities() -> set[str]:
@@ -117,38 +120,43 @@ def new_site_id() -> int:
 def register_targets() -> frozenset:
   """Registers the FFI state types and targets with XLA once; returns the usable target names.
 
-  The stateful target needs `jax.ffi.register_ffi_type`; where it is missing or refused, only the
-  site-cached target is registered (docs/runtime.md).
+  The communicating targets keep their ranks in XLA FFI state, which needs
+  `jax.ffi.register_ffi_type`; where that is missing or refused they are left out and
+  `target_name` says why.
   """
   if not has_cuda():
     return frozenset()
   _push_settings()
+  global _state_error
   names = set()
-  stateful_ok = True
   for name, registration in _ext.type_registrations().items():
     try:
       jax.ffi.register_ffi_type(name, registration, platform="CUDA")
-    except Exception:  # noqa: BLE001 - older/newer jaxlib without state types: use the fallback
-      stateful_ok = False
+    except Exception as e:  # noqa: BLE001 - jaxlib without FFI state types
+      _state_error = f"{type(e).__name__}: {e}"
   for name, target in _ext.registrations().items():
-    if isinstance(target, dict) and not stateful_ok:
+    if isinstance(target, dict) and _state_error is not None:
       continue
     jax.ffi.register_ffi_target(name, target, platform="CUDA", api_version=1)
     names.add(name)
   return frozenset(names)
 
 
+_state_error: str | None = None
+
+
 def target_name(op: str) -> str:
-  """The FFI target of `op` for the configured rank cache ("state" or "site")."""
+  """The FFI target of the communicating op `op`, registered."""
   names = register_targets()
-  stateful = f"jaxflux_{op}"
-  site = f"jaxflux_{op}_site_cached"
-  if _settings.rank_cache == "state" and stateful in names:
-    return stateful
-  if site in names:
-    return site
-  raise RuntimeError(f"jaxflux: no FFI target for {op}: the extension was built without CUDA "
-                     "or no GPU is visible (jaxflux.has_cuda() is False).")
+  target = f"jaxflux_{op}"
+  if target in names:
+    return target
+  if not names:
+    raise RuntimeError(f"jaxflux: no FFI target for {op}: the extension was built without CUDA "
+                       "or no GPU is visible (jaxflux.has_cuda() is False).")
+  raise RuntimeError(f"jaxflux: the FFI target {target} keeps its ranks in XLA FFI state, and "
+                     f"this jaxlib refused the state type ({_state_error}); install a jax and "
+                     "jaxlib with jax.ffi.register_ffi_type.")
 
 
 def ensure_workspace(nbytes: int) -> int:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-import jaxflux
+from jaxflux import ops
 
 TENSOR_PARALLEL_MODES = (None, "column", "row")
 IMPLS = ("auto", "fused", "xla")
@@ -187,12 +187,12 @@ def tensor_parallel_matmul(
 
   def local(x, kernel, bias=None):
     if mode == "column":
-      y = jaxflux.all_gather_matmul(
+      y = ops.all_gather_matmul(
         x, kernel, axis_name, impl=impl, precision=precision,
         preferred_element_type=preferred_element_type,
       )
     else:
-      y = jaxflux.matmul_reduce_scatter(
+      y = ops.matmul_reduce_scatter(
         x, kernel, axis_name, impl=impl, precision=precision,
         preferred_element_type=preferred_element_type,
       )

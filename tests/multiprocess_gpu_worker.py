@@ -8,11 +8,10 @@ processes' GPUs:
   MODE=check: the fused all_gather_matmul and matmul_reduce_scatter against float32 NumPy,
     200 back-to-back calls with fresh data and no host sync, and gradients;
   MODE=matrix: both fused ops on every shape of shapes.json at M=1024 (and GEMM+RS at one shape
-    whose partial is pushed in chunks), odd shapes, batch dims and fp16, and the gradients of both (each op's backward runs the other with the weight
-    transposed), against float32 NumPy;
-  MODE=badschedule: with JAXFLUX_GEMM_RS_SCHEDULE set to a bad value, the fused
-    matmul_reduce_scatter fails with a message naming it on every rank, at trace time
-    (jaxflux/_knobs.py), before any rank takes part;
+    whose partial is pushed in chunks), odd shapes, batch dims and fp16, and the gradients of
+    both (each op's backward runs the other with the weight transposed), against float32 NumPy;
+  MODE=matrix_pingpong: MODE=matrix with GEMM+RS's own-rows schedule forced to ping-pong
+    (jaxflux.tuning.override);
   MODE=die: one call of each fused op (and the all-gather, and GEMM+RS with either reduction:
     every kind of wait in the kernels), then process 1 exits at once and process 0 calls each
     again: each must fail with jaxflux's timeout error naming its op, instead of hanging.
@@ -24,10 +23,12 @@ fused ops' cross-rank protocol (pushes, flags, waits) on a one-GPU machine: corr
 (the ranks' kernels take turns, so times mean nothing), and no XLA collective can run (NCCL
 refuses two ranks on one GPU), so MODE=check skips its in-program all-gather case there. A
 push between the ranks is then a copy within one device, which runs as a kernel, so the GEMMs
-are given fewer SMs than the GPU has (JAXFLUX_GEMM_SMS=100): one holding every SM while it
-spins on a peer's push would starve that push (it did in one of the two matrix runs without
-the cap, on the chunked all-gather of rows/rank=8192: benchmarks/logs/rsschedule_pingpong_session12_*).
+are given fewer SMs than the GPU has (grid_sms=100 for both ops, through
+jaxflux.tuning.override): one holding every SM while it spins on a peer's push would starve
+that push (it did in a matrix run without the cap, on the chunked all-gather of
+rows/rank=8192).
 """
+import contextlib
 import json
 import os
 import pathlib
@@ -36,13 +37,9 @@ import sys
 import jax
 
 PORT, NUM_PROCESSES, PROCESS_ID = map(int, sys.argv[1:4])
-MODE = sys.argv[4]
+MODE, _, SCHEDULE = sys.argv[4].partition("_")  # "matrix_pingpong": a forced schedule
 SHARED_GPU = sys.argv[5:] == ["shared"]  # every process drives GPU 0
 GPU = 0 if SHARED_GPU else PROCESS_ID
-if SHARED_GPU:
-  # A peer's push is then a copy within one device, which runs as a kernel: leave it SMs that
-  # this rank's GEMM, spinning on that push, does not hold (xla_ffi/kernels/device_info.h).
-  os.environ.setdefault("JAXFLUX_GEMM_SMS", "100")
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{PORT}", num_processes=NUM_PROCESSES,
                            process_id=PROCESS_ID, local_device_ids=[GPU],
                            coordinator_bind_address=f"127.0.0.1:{PORT}",
@@ -55,7 +52,18 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxflux  # noqa: E402
-from jaxflux import _runtime  # noqa: E402
+from jaxflux import _runtime, tuning  # noqa: E402
+from jaxflux.ops import _fused, all_gather  # noqa: E402
+
+# Every jaxflux call of this process is traced inside these overrides.
+_overrides = contextlib.ExitStack()
+if SHARED_GPU:
+  # A peer's push is then a copy within one device, which runs as a kernel: leave it SMs that
+  # this rank's GEMM, spinning on that push, does not hold.
+  for _op in ("all_gather_matmul", "matmul_reduce_scatter"):
+    _overrides.enter_context(tuning.override(_op, grid_sms=100))
+if SCHEDULE:
+  _overrides.enter_context(tuning.override("matmul_reduce_scatter", own_rows_schedule=SCHEDULE))
 
 mesh = Mesh(np.asarray(jax.devices()), ("tp",))
 tp = mesh.size
@@ -198,19 +206,6 @@ def run_matrix():
   check_op("rs", "grads M=1024 llama70b-out", (1024, 8192), (8192, 8192), grads=True)
 
 
-def run_bad_schedule():
-  x, w = operands(7, 128 * tp, 256 * tp, 128)
-  try:
-    rs(bf16(x, P(None, "tp")), bf16(w, P("tp", None))).block_until_ready()
-    failures.append("a bad JAXFLUX_GEMM_RS_SCHEDULE did not fail the call")
-  except Exception as e:  # noqa: BLE001 - XLA wraps the handler's error in its own type
-    if ("JAXFLUX_GEMM_RS_SCHEDULE='ping-pong' is not valid; it takes cooperative or pingpong"
-        in str(e)):
-      print("PASS bad schedule", flush=True)
-    else:
-      failures.append(f"unexpected error: {e}")
-
-
 def shard_mapped(fn, in_specs, out_spec):
   return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec))
 
@@ -226,10 +221,6 @@ DIE_CASES = ("all_gather_matmul (the GEMM's tile wait)",
 def run_die():
   """Every case of DIE_CASES once with both ranks alive (compiled, workspace sized), then process
   1 exits and process 0 runs each again: each must fail with its op's timeout, not hang."""
-  import importlib  # jaxflux.ops's names are the ops; these are their modules
-  all_gather_module = importlib.import_module("jaxflux.ops.all_gather")
-  rs_module = importlib.import_module("jaxflux.ops.matmul_reduce_scatter")
-
   jaxflux.configure(timeout_s=5.0)
   x, w = operands(5, 128 * tp, 256, 128 * tp)
   ag_args = (bf16(x, P("tp", None)), bf16(w, P(None, "tp")))
@@ -237,11 +228,12 @@ def run_die():
   rs_args = (bf16(x, P(None, "tp")), bf16(w, P("tp", None)))
   rs_in = (P(None, "tp"), P("tp", None))
 
-  def rs_with(reduce):
-    return shard_mapped(lambda x, w: rs_module._fused(x, w, "tp", reduce=reduce), rs_in,
-                        P("tp", None))
+  def rs_with(reduce):  # traced and compiled here, inside the override
+    with tuning.override("matmul_reduce_scatter", reduce=reduce):
+      return shard_mapped(lambda x, w: _fused.matmul_reduce_scatter(x, w, "tp"), rs_in,
+                          P("tp", None)).lower(*rs_args).compile()
 
-  gather = shard_mapped(lambda x: all_gather_module.all_gather(x, "tp", impl="fused")[None],
+  gather = shard_mapped(lambda x: all_gather.all_gather(x, "tp", impl="fused")[None],
                         (P("tp", None),), P("tp"))  # each device's gathered copy
   calls = dict(zip(DIE_CASES, ((ag, ag_args), (rs_with("epilogue"), rs_args),
                                (rs_with("pass"), rs_args), (gather, ag_args[:1]))))
@@ -272,9 +264,6 @@ if MODE == "check":
   if not SHARED_GPU:  # its all-gather is an XLA collective: NCCL takes one rank per GPU
     run_check_gathered_slots()
   _runtime.check_errors()
-elif MODE == "badschedule":
-  with jax.set_mesh(mesh):  # the slot table from the mesh: no in-program all-gather (NCCL)
-    run_bad_schedule()
 elif MODE == "matrix":
   with jax.set_mesh(mesh):
     run_matrix()

@@ -2,7 +2,6 @@
 batch dims, x_full, back-to-back calls with fresh data, mixing with XLA collectives, loops,
 determinism, gradients, the compiled HLO, the GEMM-only mode and the bounded wait. Skipped
 unless jaxflux.has_cuda() and at least 2 GPUs."""
-import importlib
 import time
 
 import jax
@@ -13,15 +12,13 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxflux
-from jaxflux import _hlo, _runtime
-from jaxflux.ops.gemm import AG_GEMM_CONFIGS, gemm
+import hlo_util
+from jaxflux import _runtime, tuning
+from jaxflux.ops import _fused
+from jaxflux.ops.gemm import gemm
 from gpu_util import TOL, bench_shapes, gpu_mesh, operands, reference, rel_err
 
 pytestmark = pytest.mark.gpu
-
-# The module (jaxflux.ops re-exports the function under the same name).
-agm_module = importlib.import_module("jaxflux.ops.all_gather_matmul")
-
 
 @pytest.fixture(autouse=True)
 def _no_device_errors():
@@ -170,56 +167,62 @@ def test_compiled_hlo_has_the_custom_call_and_no_all_gather():
   tp = mesh.shape["tp"]
   x, w = operands(13, (tp * 256, 256), (256, 128 * tp), jnp.bfloat16)
   text = _fused_fn(mesh, 2).lower(x, w).compile().as_text()
-  assert any(t.startswith("jaxflux_all_gather_matmul") for t in _hlo.custom_call_targets(text))
-  assert _hlo.count_collectives(text).get("all-gather", 0) == 0
+  assert any(t.startswith("jaxflux_all_gather_matmul")
+             for t in hlo_util.custom_call_targets(text))
+  assert hlo_util.count_collectives(text).get("all-gather", 0) == 0
 
 
 @pytest.mark.parametrize("M,K,N", [(1000, 264, 136), (4096, 1024, 2048)])
 def test_gemm_only_mode_matches_float32_reference(M, K, N):
   gpu_mesh()
   x, w = operands(M, (M, K), (K, N), jnp.bfloat16)
-  got = jax.jit(lambda x, w: gemm(x, w, tile_order="all_gather_matmul"))(x, w)
+  got = jax.jit(lambda x, w: gemm(x, w, kernel="all_gather_matmul"))(x, w)
   assert rel_err(got, reference(x, w)) <= TOL[jnp.bfloat16]
 
 
-@pytest.mark.parametrize("config", AG_GEMM_CONFIGS)
+@pytest.mark.parametrize("tile", tuning.AG_TILES)
+@pytest.mark.parametrize("local_read", ["direct", "copy"])
 @pytest.mark.parametrize("shard_rows,K,N,batch", [
     (200, 264, 136, ()),      # tiles straddle shards; K, N not multiples of any tile
     (1024, 1024, 1024, ()),
     (7, 96, 40, (2, 3)),      # batch dims
 ])
-def test_every_tile_config_matches_reference(config, shard_rows, K, N, batch):
+def test_every_tile_config_matches_reference(tile, local_read, shard_rows, K, N, batch):
   mesh = gpu_mesh()
   tp = mesh.shape["tp"]
   x, w = operands(K + N, batch + (tp * shard_rows, K), (K, N * tp), jnp.bfloat16)
   spec = _x_spec(x.ndim)
-  body = lambda x, w: agm_module._fused(x, w, "tp", False, config=config)[0]
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P(None, "tp")),
-                            out_specs=P(*([None] * (x.ndim - 1)), "tp")))
-  assert rel_err(f(x, w), reference(x, w)) <= TOL[jnp.bfloat16]
   w0 = w[:, :N]
-  only = jax.jit(lambda x, w: gemm(x, w, tile_order="all_gather_matmul", config=config))(x, w0)
+  with tuning.override("all_gather_matmul", tile=tile, local_read=local_read):
+    body = lambda x, w: _fused.all_gather_matmul(x, w, "tp", False)[0]
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P(None, "tp")),
+                              out_specs=P(*([None] * (x.ndim - 1)), "tp")))
+    got = f(x, w)
+    only = jax.jit(lambda x, w: gemm(x, w, kernel="all_gather_matmul"))(x, w0)
+  assert rel_err(got, reference(x, w)) <= TOL[jnp.bfloat16]
   assert rel_err(only, reference(x, w0)) <= TOL[jnp.bfloat16]
 
 
-@pytest.mark.parametrize("config", AG_GEMM_CONFIGS)
+@pytest.mark.parametrize("tile", tuning.AG_TILES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("shard_rows,K,N,batch", [
     (200, 264, 136, ()),      # K, N not multiples of any tile
     (1024, 4096, 2048, ()),
     (7, 96, 40, (2, 3)),      # batch dims
 ])
-def test_weight_given_transposed_matches_reference(config, dtype, shard_rows, K, N, batch):
+def test_weight_given_transposed_matches_reference(tile, dtype, shard_rows, K, N, batch):
   """transpose_w: w is [N, K] (the backward's forward weight, read K-major by the kernel)."""
   mesh = gpu_mesh()
   tp = mesh.shape["tp"]
   x, w = operands(K + N + 1, batch + (tp * shard_rows, K), (K, N * tp), dtype)
   wt = jnp.asarray(w.T)  # [N*tp, K]: the kernel gets this array, never w
   spec = _x_spec(x.ndim)
-  body = lambda x, wt: agm_module._fused(x, wt, "tp", False, config=config, transpose_w=True)[0]
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P("tp", None)),
-                            out_specs=P(*([None] * (x.ndim - 1)), "tp")))
-  assert rel_err(f(x, wt), reference(x, w)) <= TOL[dtype]
+  with tuning.override("all_gather_matmul", tile=tile):
+    body = lambda x, wt: _fused.all_gather_matmul(x, wt, "tp", False, transpose_w=True)[0]
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P("tp", None)),
+                              out_specs=P(*([None] * (x.ndim - 1)), "tp")))
+    got = f(x, wt)
+  assert rel_err(got, reference(x, w)) <= TOL[dtype]
 
 
 def test_a_peer_that_never_signals_times_out_instead_of_hanging():
@@ -230,7 +233,7 @@ def test_a_peer_that_never_signals_times_out_instead_of_hanging():
     x, w = operands(17, (tp * 256, 256), (256, 128 * tp), jnp.bfloat16)
 
     def make(skip):
-      body = lambda x, w: agm_module._fused(x, w, "tp", False, debug_skip_rank=skip)[0]
+      body = lambda x, w: _fused.all_gather_matmul(x, w, "tp", False, debug_skip_rank=skip)[0]
       return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
                                    out_specs=P(None, "tp")))
 

@@ -149,9 +149,9 @@ def test_bad_arguments(shapes_file, tmp_path):
 def test_windowed_child_merge(shapes_file, tmp_path, monkeypatch):
   # The child process normally runs on GPU only; the hook lets it run here (where XLA ignores
   # the windowed-einsum flags) so that the subprocess round trip and the merge are exercised.
-  monkeypatch.setenv("JAXFLUX_BENCH_WINDOWED_ON_CPU", "1")
   monkeypatch.setenv("JAX_NUM_CPU_DEVICES", str(len(jax.devices())))
-  result = _run("ag_gemm", shapes_file, tmp_path, "--variants", "gemm,comm,xla,xla_windowed")
+  result = _run("ag_gemm", shapes_file, tmp_path, "--variants", "gemm,comm,xla,xla_windowed",
+                "--_windowed-anywhere")
   (row,) = result["rows"]
   assert row["ms"]["xla_windowed"] > 0, row["errors"].get("xla_windowed")
   assert "xla_windowed" not in row["errors"]
@@ -268,3 +268,97 @@ def test_transposed_weight_input_is_the_weight_transposed(op):
   np.testing.assert_array_equal(np.asarray(arrays["wt"]), np.asarray(arrays["w"]).T)
   w_spec, wt_spec = arrays["w"].sharding.spec, arrays["wt"].sharding.spec
   assert tuple(wt_spec) == tuple(reversed(tuple(w_spec)))
+
+
+# --op gemm: the single-device GEMM table.
+
+def _fake_gemm(x, w, *, kernel, c=None, transpose_w=False):
+  """Stands in for jaxflux.ops.gemm.gemm on CPU: the product each kernel computes."""
+  import jax.numpy as jnp
+  assert kernel in ("cutlass", "all_gather_matmul", "own_rows") and not transpose_w
+  assert (c is not None) == (kernel == "own_rows")
+  y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+  return (y if c is None else y + c.astype(jnp.float32)).astype(x.dtype)
+
+
+def test_gemm_table_rows_are_the_per_device_gemms_at_tp2():
+  from types import SimpleNamespace
+  from jaxflux.bench.rows import build_rows
+  shapes = {"ag_gemm": [{"name": "a", "K": 64, "N": 96}],
+            "gemm_rs": [{"name": "r", "K": 128, "N": 32}], "M": [7]}
+  args = SimpleNamespace(op="gemm", M=None, shapes=None, dtype="bfloat16", sizes_mib=None)
+  rows = build_rows(args, shapes, 2)
+  assert [(r.of, r.name, r.M) for r in rows] == (
+      [("ag_gemm", "a", m) for m in (2048, 4096, 8192, 16384)] +
+      [("gemm_rs", "r", m) for m in (2048, 4096, 8192, 16384)])
+  ag, rs = rows[0], rows[4]
+  assert ag.per_device_shapes == {"x": [2048, 64], "w": [64, 48], "out": [2048, 48]}
+  assert rs.per_device_shapes == {"x": [2048, 64], "w": [64, 32], "out": [2048, 32],
+                                  "own_rows": {"x": [1024, 64], "c": [1024, 32],
+                                               "out": [1024, 32]}}
+  assert rs.comm_bytes_per_device == 0 and rs.key()[-1] == "gemm_rs"
+  args.M, args.shapes = [256], ["r"]
+  assert [(r.of, r.M) for r in build_rows(args, shapes, 2)] == [("gemm_rs", 256)]
+  args.M = [3]
+  with pytest.raises(ValueError, match="not divisible by tp"):
+    build_rows(args, shapes, 2)
+
+
+def test_gemm_table_ratio_summary():
+  from jaxflux.bench import gemm_table
+  def row(of, name, M, ms):
+    r = bench.Row("gemm", name, M, 64, 64, 2, "bfloat16", of)
+    samples = {v: [t, t * 1.1] for v, t in ms.items() if t is not None}
+    return gemm_table.summarize_gemm_row(r, samples, {}, {}, {}, {}, 1)
+  rows = [row("ag_gemm", "a", 2048, {"xla": 1.0, "gemm_only": 1.05}),
+          row("ag_gemm", "a", 4096, {"xla": 2.0, "gemm_only": 1.9}),
+          row("gemm_rs", "r", 2048, {"xla": 1.0, "gemm_only": 1.2, "xla_own_rows": 0.5,
+                                     "own_rows": 0.55}),
+          row("gemm_rs", "r", 4096, {"xla": 1.0, "gemm_only": None, "xla_own_rows": 0.5,
+                                     "own_rows": 0.45})]
+  assert rows[0]["ms"]["gemm_only"] == pytest.approx(1.05 * 1.05)  # median of 2 samples
+  assert "own_rows" not in rows[0]["ms"] and rows[3]["errors"]["gemm_only"] == "not requested"
+  assert rows[2]["tflops"]["own_rows"] == pytest.approx(
+      rows[2]["tflops"]["gemm_only"] / 2 * rows[2]["ms"]["gemm_only"] / rows[2]["ms"]["own_rows"])
+  summary = gemm_table.summarize_table(rows)
+  ag = summary["ag_gemm"]["gemm_only_vs_xla"]
+  assert ag["mean"] == pytest.approx((1.05 + 0.95) / 2) and ag["worst"] == pytest.approx(1.05)
+  assert ag["worst_row"] == "a M=2048" and (ag["rows"], ag["of_rows"]) == (2, 2)
+  assert "own_rows_vs_xla_own_rows" not in summary["ag_gemm"]
+  rs = summary["gemm_rs"]
+  assert rs["gemm_only_vs_xla"]["rows"] == 1 and rs["gemm_only_vs_xla"]["of_rows"] == 2
+  assert rs["own_rows_vs_xla_own_rows"]["mean"] == pytest.approx((1.1 + 0.9) / 2)
+  assert "gemm_rs own_rows_vs_xla_own_rows: mean 1.000, worst 1.100 (r M=2048)" in (
+      gemm_table.format_gemm_table({"rows": rows, "summary": summary}))
+
+
+def test_gemm_table_run_with_fake_kernels(shapes_file, tmp_path, monkeypatch):
+  from jaxflux.bench import gemm_table
+  monkeypatch.setattr(gemm_table, "_gemm", _fake_gemm)
+  result = _run("gemm", shapes_file, tmp_path / "g.json", "--M", "64")
+  assert result["settings"]["variants"] == ["xla", "gemm_only", "xla_own_rows", "own_rows"]
+  assert result["env"] == {k: v for k, v in result["env"].items() if k == "XLA_FLAGS"}
+  ag, rs = result["rows"]
+  assert (ag["of"], rs["of"]) == ("ag_gemm", "gemm_rs") and ag["tp"] == rs["tp"] == 2
+  for r in (ag, rs):
+    assert all(t > 0 for t in r["ms"].values()), r["errors"]
+    assert all(e < 1e-2 for e in r["rel_err"].values()) and set(r["rel_err"]) == set(r["ms"])
+    assert r["ratios"]["gemm_only_vs_xla"] == pytest.approx(
+        r["ms"]["gemm_only"] / r["ms"]["xla"], rel=1e-4)
+  assert rs["ratios"]["own_rows_vs_xla_own_rows"] == pytest.approx(
+      rs["ms"]["own_rows"] / rs["ms"]["xla_own_rows"], rel=1e-4)
+  assert result["summary"]["gemm_rs"]["own_rows_vs_xla_own_rows"]["rows"] == 1
+
+
+def test_gemm_table_without_kernels_records_why(shapes_file, tmp_path):
+  if not ON_CPU:
+    pytest.skip("checks the reasons off GPU")
+  result = _run("gemm", shapes_file, tmp_path / "g.json", "--M", "64",
+                "--variants", "xla,gemm_only,own_rows")
+  ag, rs = result["rows"]
+  assert ag["ms"]["xla"] > 0 and ag["ms"]["gemm_only"] is None and ag["errors"]["gemm_only"]
+  assert rs["ms"]["own_rows"] is None and rs["errors"]["own_rows"]
+  assert rs["errors"]["xla_own_rows"] == "not requested"
+  assert result["summary"]["ag_gemm"]["gemm_only_vs_xla"]["mean"] is None
+  with pytest.raises(SystemExit):
+    bench.parse_args(["--op", "gemm", "--variants", "jaxflux"])

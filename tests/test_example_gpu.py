@@ -1,6 +1,6 @@
-"""The training example on GPUs with the fused kernels (issue 7): every tensor-parallel matmul of
-the train step, forward and backward, is a jaxflux custom call, and the loss curve matches the
-same model built from flax.linen.Dense. Skipped unless jaxflux.has_cuda() and at least 2 GPUs."""
+"""The training example on GPUs with the fused kernels: every tensor-parallel matmul of the
+train step, forward and backward, is a jaxflux custom call, and the loss curve matches the same
+model built from flax.linen.Dense. Skipped unless jaxflux.has_cuda() and at least 2 GPUs."""
 import pathlib
 
 import jax
@@ -9,6 +9,7 @@ import pytest
 import jaxflux
 
 from conftest import load_script
+from test_example import train_step_hlo
 
 pytestmark = pytest.mark.gpu
 
@@ -27,24 +28,28 @@ def _gpus() -> int:
   return n
 
 
-def _targets(counts: dict, prefix: str) -> int:
-  return sum(v for k, v in counts["custom_call_targets"].items() if k.startswith(prefix))
+def _targets(targets: dict, prefix: str) -> int:
+  return sum(v for k, v in targets.items() if k.startswith(prefix))
 
 
 def test_fused_train_step_has_no_xla_tp_collectives_and_matches_flax(example):
   """Per layer: forward 2 AllGather+GEMM (qkv, fc1) and 2 GEMM+ReduceScatter (out, fc2); the
   backward mirrors them (a column layer's dX is a GEMM+ReduceScatter, a row layer's an
   AllGather+GEMM). XLA keeps only the all-reduces (loss, replicated params' gradients)."""
+  from hlo_util import count_collectives, custom_call_targets
+
   tp = _gpus()
   layers = 2
-  result = example.main([
-      "--tp", str(tp), "--impl", "fused", "--dtype", "bfloat16", "--steps", "8",
-      "--batch", "2", "--seq", str(256 * tp), "--hidden", "256", "--heads", str(4 * tp),
-      "--layers", str(layers), "--ffn", str(512 * tp), "--vocab", "256", "--lr", "3e-3",
-      "--activation", "swiglu", "--print-hlo-collectives", "--quiet"])
-  counts = result["hlo_collectives"]
-  assert _targets(counts, "jaxflux_all_gather_matmul") == 4 * layers, counts
-  assert _targets(counts, "jaxflux_matmul_reduce_scatter") == 4 * layers, counts
-  assert counts["all-gather"] == 0 and counts["reduce-scatter"] == 0, counts
+  argv = ["--tp", str(tp), "--impl", "fused", "--dtype", "bfloat16", "--steps", "8",
+          "--batch", "2", "--seq", str(256 * tp), "--hidden", "256", "--heads", str(4 * tp),
+          "--layers", str(layers), "--ffn", str(512 * tp), "--vocab", "256", "--lr", "3e-3",
+          "--activation", "swiglu", "--quiet"]
+  hlo = train_step_hlo(example, argv)
+  targets, counts = custom_call_targets(hlo), count_collectives(hlo)
+  assert _targets(targets, "jaxflux_all_gather_matmul") == 4 * layers, targets
+  assert _targets(targets, "jaxflux_matmul_reduce_scatter") == 4 * layers, targets
+  assert counts.get("all-gather", 0) == 0 and counts.get("reduce-scatter", 0) == 0, counts
+
+  result = example.main(argv)
   assert result["ok"], (result["losses"], result["flax"])
   assert result["losses"][-1] < result["losses"][0]

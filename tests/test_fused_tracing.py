@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxflux
-from jaxflux import _runtime
-from jaxflux.ops import _common
+from jaxflux import _runtime, tuning
+from jaxflux.ops import _fused, _platform
 from jaxflux.ops.gemm import gemm
 from conftest import make_mesh
 
@@ -18,7 +18,7 @@ from conftest import make_mesh
 @pytest.fixture
 def fake_gpu(monkeypatch):
   """Tracing as if a CUDA build and GPUs were present (the FFI target is never lowered)."""
-  monkeypatch.setattr(_common, "platform_reason", lambda axis_name=None: None)
+  monkeypatch.setattr(_platform, "platform_reason", lambda axis_name=None: None)
   monkeypatch.setattr(_runtime, "ensure_workspace", lambda nbytes: 0)
   monkeypatch.setattr(_runtime, "target_name", lambda op: f"jaxflux_{op}")
 
@@ -83,27 +83,60 @@ def test_auto_takes_fused_only_where_measured_ahead(fake_gpu, tp, rows, fused):
   assert ("all_gather[" in text or "all_gather " in text) == (not fused)
 
 
-def test_gemm_rejects_unknown_tile_order():
+def _ffi_calls(jaxpr) -> list:
+  """(target name, attributes) of every ffi_call in a closed jaxpr, nested ones included."""
+  calls = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "ffi_call":
+        calls.append((eqn.params["target_name"],
+                      {k: int(v) for k, v in dict(eqn.params["attributes"]).items()}))
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+  walk(jaxpr.jaxpr)
+  return calls
+
+
+def test_gemm_rejects_unknown_kernel():
   x = jax.ShapeDtypeStruct((8, 16), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((16, 8), jnp.bfloat16)
-  with pytest.raises(ValueError, match=r"tile_order='rows' is not one of"):
-    jax.eval_shape(lambda a, b: gemm(a, b, tile_order="rows"), x, w)
+  with pytest.raises(ValueError, match=r"kernel='rows' is not one of \('cutlass', "
+                                       r"'all_gather_matmul', 'own_rows'\)"):
+    jax.eval_shape(lambda a, b: gemm(a, b, kernel="rows"), x, w)
 
 
-@pytest.mark.parametrize("owners", [0, 3])
-def test_gemm_per_owner_mode_needs_owners_dividing_m(fake_gpu, owners):
-  x = jax.ShapeDtypeStruct((8, 16), jnp.bfloat16)
-  w = jax.ShapeDtypeStruct((16, 8), jnp.bfloat16)
-  with pytest.raises(ValueError, match=rf"owners={owners} must be >= 1 and divide M=8"):
-    jax.eval_shape(lambda a, b: gemm(a, b, tile_order="matmul_reduce_scatter", owners=owners),
-                   x, w)
-
-
-def test_unknown_tile_config_is_rejected(fake_gpu):
-  x = jnp.ones((8, 64), jnp.bfloat16)
-  w = jnp.ones((64, 32), jnp.bfloat16)
-  with pytest.raises(ValueError, match=r"config='huge' is not one of"):
-    jax.eval_shape(lambda a, b: gemm(a, b, tile_order="all_gather_matmul", config="huge"), x, w)
+@pytest.mark.parametrize("kernel,rows,k,n,want", [
+    ("cutlass", 4096, 4096, 8192, {"kernel": 0, "swizzle": 1}),
+    # 16 x 16 tiles = 256 < 4 waves of 132 SMs: ping-pong; else cooperative. Swizzle 4.
+    ("all_gather_matmul", 2048, 64, 4096, {"kernel": 1, "tile": 1, "swizzle": 4}),
+    ("all_gather_matmul", 16384, 64, 8192, {"kernel": 1, "tile": 0, "swizzle": 4}),
+    # Own rows as GEMM+RS at tp=2 tunes them: chunked (ping-pong, swizzle 4 from 2048 rows) ...
+    ("own_rows", 4096, 4096, 8192,
+     {"kernel": 2, "own_rows_schedule": 1, "push_chunks": 1, "swizzle": 4}),
+    # ... cooperative past K 16384, and the whole push (CUTLASS's order) for a small partial.
+    ("own_rows", 8192, 24576, 12288,
+     {"kernel": 2, "own_rows_schedule": 0, "push_chunks": 1, "swizzle": 4}),
+    ("own_rows", 256, 4096, 8192,
+     {"kernel": 2, "own_rows_schedule": 0, "push_chunks": 0, "swizzle": 1}),
+])
+def test_gemm_kernels_are_tuned_as_the_fused_ops_tune_them(fake_gpu, monkeypatch, kernel, rows,
+                                                           k, n, want):
+  monkeypatch.setattr(_runtime, "sm_count", lambda: 132)
+  monkeypatch.setattr(_runtime, "register_targets", lambda: frozenset())
+  x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+  c = jax.ShapeDtypeStruct((rows, n), jnp.bfloat16) if kernel == "own_rows" else None
+  [(target, attrs)] = _ffi_calls(jax.make_jaxpr(lambda x, w: gemm(x, w, kernel=kernel, c=c))(
+      x, w))
+  assert target == "jaxflux_gemm"
+  assert {name: attrs[name] for name in want} == want
+  assert attrs["grid_sms"] == 0 and attrs["transpose_w"] == 0
+  with tuning.override("matmul_reduce_scatter", grid_sms=100, own_rows_swizzle=8), \
+       tuning.override("all_gather_matmul", grid_sms=100, swizzle=2):
+    [(_, forced)] = _ffi_calls(jax.make_jaxpr(lambda x, w: gemm(x, w, kernel=kernel, c=c))(x, w))
+  assert forced["grid_sms"] == 100
+  assert forced["swizzle"] == {"cutlass": 1, "all_gather_matmul": 2, "own_rows": 8}[kernel]
 
 
 def test_fused_reduce_scatter_forward_and_grad_trace(fake_gpu):
@@ -119,32 +152,66 @@ def test_fused_reduce_scatter_forward_and_grad_trace(fake_gpu):
   assert "jaxflux_all_gather_matmul" in text and "jaxflux_matmul_reduce_scatter" in text
 
 
-@pytest.mark.parametrize("tp,reduce", [(2, "epilogue"), (2, "pass"), (2, None), (4, "pass")])
-def test_reduce_scatter_reduction_modes_trace_into_the_call(fake_gpu, tp, reduce):
-  import importlib
-  rs = importlib.import_module("jaxflux.ops.matmul_reduce_scatter")
+def _rs_mapped(tp, body):
+  return jax.shard_map(body, mesh=make_mesh((tp,), ("tp",)),
+                       in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None))
+
+
+@pytest.mark.parametrize("tp,reduce,attr", [(2, "epilogue", 1), (2, "pass", 0), (2, None, 1),
+                                            (4, "pass", 0), (4, None, 0)])
+def test_reduce_scatter_reduction_modes_trace_into_the_call(fake_gpu, tp, reduce, attr):
+  """The reduction the tuning table picks (tp=2 here: the epilogue for this small partial; other
+  tp: the pass), or the one an override forces, reaches the call as its `reduce` attribute."""
   x = jnp.ones((8 * tp, 32 * tp), jnp.bfloat16)
   w = jnp.ones((32 * tp, 32), jnp.bfloat16)
-  mesh = make_mesh((tp,), ("tp",))
-  f = jax.shard_map(lambda x, w: rs._fused(x, w, "tp", reduce=reduce), mesh=mesh,
-                    in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None))
-  assert f"('reduce', np.int64({rs.REDUCE_MODES[reduce]}))" in _jaxpr_text(f, x, w)
+  forced = {} if reduce is None else {"reduce": reduce}
+  with tuning.override("matmul_reduce_scatter", **forced):
+    f = _rs_mapped(tp, lambda x, w: _fused.matmul_reduce_scatter(x, w, "tp"))
+    [(target, attrs)] = _ffi_calls(jax.make_jaxpr(f)(x, w))
+  assert target == "jaxflux_matmul_reduce_scatter" and attrs["reduce"] == attr
+  assert attrs["push_chunks"] == 0 and attrs["debug_skip_rank"] == -1
 
 
-@pytest.mark.parametrize("tp,reduce,match", [
-    (4, "epilogue", r"reduce='epilogue' needs tp=2 \(here tp=4\)"),
-    (2, "fast", r"reduce='fast'; use one of"),
+@pytest.mark.parametrize("tp,fields,match", [
+    (4, {"reduce": "epilogue"}, r"reduce='epilogue' needs tp=2 \(here tp=4\)"),
+    (2, {"reduce": "pass", "push": "chunked"}, r"push='chunked' needs reduce='epilogue'"),
 ])
-def test_reduce_scatter_rejects_reduction_modes_it_lacks(fake_gpu, tp, reduce, match):
-  import importlib
-  rs = importlib.import_module("jaxflux.ops.matmul_reduce_scatter")
+def test_reduce_scatter_rejects_reduction_modes_it_lacks(fake_gpu, tp, fields, match):
   x = jnp.ones((8 * tp, 32 * tp), jnp.bfloat16)
   w = jnp.ones((32 * tp, 32), jnp.bfloat16)
-  f = jax.shard_map(lambda x, w: rs._fused(x, w, "tp", reduce=reduce),
-                    mesh=make_mesh((tp,), ("tp",)), in_specs=(P(None, "tp"), P("tp", None)),
-                    out_specs=P("tp", None))
-  with pytest.raises(ValueError, match=match):
-    jax.eval_shape(f, x, w)
+  with tuning.override("matmul_reduce_scatter", **fields):
+    f = _rs_mapped(tp, lambda x, w: _fused.matmul_reduce_scatter(x, w, "tp"))
+    with pytest.raises(ValueError, match=match):
+      jax.eval_shape(f, x, w)
+
+
+def test_an_unknown_reduction_mode_fails_at_the_override():
+  with pytest.raises(ValueError, match=r"reduce='fast' is not valid; reduce takes 'epilogue' "
+                                       r"or 'pass'"):
+    with tuning.override("matmul_reduce_scatter", reduce="fast"):
+      pass
+
+
+def test_all_gather_choice_traces_into_the_call(fake_gpu, monkeypatch):
+  """The tile and swizzle of the table (or of an override), and the own rows read from x only
+  where a shard is whole tiles."""
+  monkeypatch.setattr(_runtime, "sm_count", lambda: 132)
+
+  def attrs_of(m):
+    x = jnp.ones((2 * m, 64), jnp.bfloat16)
+    w = jnp.ones((64, 64), jnp.bfloat16)
+    f = _shard_mapped(lambda x, w: _fused.all_gather_matmul(x, w, "tp", False)[0])
+    [(target, attrs)] = _ffi_calls(jax.make_jaxpr(f)(x, w))
+    assert target == "jaxflux_all_gather_matmul"
+    return attrs
+  assert {k: attrs_of(256)[k] for k in ("tile", "swizzle", "local_read", "grid_sms")} == {
+      "tile": 1, "swizzle": 4, "local_read": 1, "grid_sms": 0}  # 4 tiles: few waves
+  assert attrs_of(200)["local_read"] == 0  # not whole 128-row tiles: copied first
+  with tuning.override("all_gather_matmul", tile="cooperative_128x256_cluster2x1", swizzle=1,
+                       local_read="copy", grid_sms=100):
+    forced = attrs_of(256)
+  assert {k: forced[k] for k in ("tile", "swizzle", "local_read", "grid_sms")} == {
+      "tile": 0, "swizzle": 1, "local_read": 0, "grid_sms": 100}
 
 
 @pytest.mark.parametrize("tp,rows,k_local,fused", [
@@ -210,14 +277,15 @@ def fake_hopper(monkeypatch):
   monkeypatch.setattr(_runtime, "cuda_built", lambda: True)
   monkeypatch.setattr(_runtime, "_gpu_devices", lambda: (_FakeGpu("9.0"), _FakeGpu("9.0")))
   monkeypatch.setattr(_runtime, "multi_process", lambda: False)
+  monkeypatch.setattr(_runtime, "sm_count", lambda: 132)
   monkeypatch.setattr(_runtime, "ensure_workspace", lambda nbytes: 0)
   monkeypatch.setattr(_runtime, "target_name", lambda op: f"jaxflux_{op}")
 
 
 def test_fused_kernels_need_hopper_gpus(fake_hopper, monkeypatch):
-  assert _common.platform_reason() is None
+  assert _platform.platform_reason() is None
   monkeypatch.setattr(_runtime, "_gpu_devices", lambda: (_FakeGpu("8.0"), _FakeGpu("10.0")))
-  reason = _common.platform_reason()
+  reason = _platform.platform_reason()
   assert "Hopper" in reason and "8.0" in reason and "10.0" in reason
   x = jnp.ones((8, 64), jnp.bfloat16)
   w = jnp.ones((64, 32), jnp.bfloat16)

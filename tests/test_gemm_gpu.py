@@ -1,4 +1,5 @@
-"""GEMM-only mode of the fused kernels' GEMM (CUTLASS sm90) against a float32 reference."""
+"""The fused kernels' GEMMs on one GPU (jaxflux.ops.gemm: CUTLASS's persistent GEMM, the AG+GEMM
+kernel and GEMM+RS's own-rows kernel, communication off) against a float32 reference."""
 import functools
 
 import jax
@@ -8,7 +9,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxflux
-from jaxflux.ops.gemm import gemm, gemm_own_rows
+from jaxflux import tuning
+from jaxflux.ops.gemm import gemm
 import gpu_util
 from gpu_util import TOL, reference, rel_err
 
@@ -75,60 +77,69 @@ def test_unavailable_without_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["cutlass", "all_gather_matmul", "own_rows"])
+@pytest.mark.parametrize("transpose_w", [False, True])
+@pytest.mark.parametrize("x_shape,n", [((1024, 256), 512), ((3, 5, 64), 128)])
+def test_every_kernel_matches_float32_reference(kernel, transpose_w, x_shape, n):
+  """Each kernel as tuned from the table, with the weight given [K, N] or [N, K] (read K-major)."""
+  x, w = gpu_util.operands(6, x_shape, (x_shape[-1], n), jnp.bfloat16)
+  c = jnp.zeros(x_shape[:-1] + (n,), jnp.bfloat16) if kernel == "own_rows" else None
+  f = jax.jit(functools.partial(gemm, kernel=kernel, transpose_w=transpose_w))
+  got = f(x, jnp.asarray(w.T) if transpose_w else w, c=c)
+  assert got.shape == x_shape[:-1] + (n,) and got.dtype == jnp.bfloat16
+  assert rel_err(got, reference(x, w)) <= TOL[jnp.bfloat16]
+
+
+def _own_rows(x, w, c, *, push, schedule, transpose_w=False):
+  """The own-rows kernel with its tile order (push) and schedule forced, traced right here."""
+  with tuning.override("matmul_reduce_scatter", push=push, own_rows_schedule=schedule):
+    f = jax.jit(functools.partial(gemm, kernel="own_rows", transpose_w=transpose_w))
+    return f(x, w, c=c)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("with_c", [True, False])
-@pytest.mark.parametrize("chunked", [False, True])
-@pytest.mark.parametrize("scheduler,schedule", [("fused", "cooperative"), ("fused", "pingpong"),
-                                                ("cutlass", "cooperative")])
+@pytest.mark.parametrize("push", ["whole", "chunked"])
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
 @pytest.mark.parametrize("x_shape,n", [
     ((2048, 1024), 2048),  # 4 chunks of 512 rows when chunked (tiles swept along N)
     ((1000, 264), 136),    # M, K, N not multiples of the tile
 ])
-def test_own_rows_kernel_alone_matches_float32_reference(dtype, with_c, chunked, scheduler,
-                                                         schedule, x_shape, n):
-  """GEMM+RS's own-rows kernel with communication off: x @ w + c, or x @ w without a source
-  (then C is not read at all: an output left over from D's garbage would fail the check);
-  under the fused ops' scheduler (cooperative or ping-pong tiles, the fused op's two), or
-  CUTLASS's (the probe of what the scheduler costs)."""
+def test_own_rows_kernel_alone_matches_float32_reference(dtype, with_c, push, schedule, x_shape,
+                                                         n):
+  """GEMM+RS's own-rows kernel with communication off: x @ w + c, with a random c or zeros,
+  in the fused op's two schedules and both tile orders (CUTLASS's, or swept along N as for a
+  chunked push)."""
   x, w = gpu_util.operands(2, x_shape, (x_shape[-1], n), dtype)
   c = jax.random.normal(jax.random.key(3), x_shape[:-1] + (n,), jnp.float32).astype(dtype)
-  f = jax.jit(functools.partial(gemm_own_rows, chunked=chunked, scheduler=scheduler,
-                                schedule=schedule))
-  got = f(x, w, c) if with_c else f(x, w)
-  want = reference(x, w) + (c.astype(jnp.float32) if with_c else 0.0)
+  if not with_c:
+    c = jnp.zeros_like(c)
+  got = _own_rows(x, w, c, push=push, schedule=schedule)
+  want = reference(x, w) + c.astype(jnp.float32)
   assert got.shape == x_shape[:-1] + (n,) and got.dtype == dtype
   assert np.isfinite(np.asarray(got, np.float32)).all()
   assert rel_err(got, want) <= TOL[dtype]
 
 
-def test_own_rows_kernel_checks_its_scheduler_at_trace_time():
-  x = jax.ShapeDtypeStruct((64, 16), jnp.bfloat16)
-  w = jax.ShapeDtypeStruct((16, 32), jnp.bfloat16)
-  with pytest.raises(ValueError, match=r"scheduler must be one of \('fused', 'cutlass'\)"):
-    jax.eval_shape(functools.partial(gemm_own_rows, scheduler="persistent"), x, w)
-  with pytest.raises(ValueError, match=r"schedule must be one of \('cooperative', 'pingpong'\)"):
-    jax.eval_shape(functools.partial(gemm_own_rows, schedule="ping-pong"), x, w)
-  with pytest.raises(ValueError, match=r"scheduler='cutlass' runs the cooperative schedule only"):
-    jax.eval_shape(functools.partial(gemm_own_rows, scheduler="cutlass", schedule="pingpong"),
-                   x, w)
-  with pytest.raises(ValueError, match=r"scheduler='cutlass' reads the weight N-major only"):
-    jax.eval_shape(functools.partial(gemm_own_rows, scheduler="cutlass", transpose_w=True), x,
-                   jax.ShapeDtypeStruct((32, 16), jnp.bfloat16))
+def test_own_rows_schedule_is_checked_when_overridden():
+  with pytest.raises(ValueError, match=r"own_rows_schedule='ping-pong' is not valid; "
+                                       r"own_rows_schedule takes 'cooperative' or 'pingpong'"):
+    with tuning.override("matmul_reduce_scatter", own_rows_schedule="ping-pong"):
+      pass
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("push", ["whole", "chunked"])
 @pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
 @pytest.mark.parametrize("x_shape,n", [((2048, 1024), 2048), ((1000, 264), 136)])
-def test_own_rows_kernel_alone_reads_a_transposed_weight(dtype, chunked, schedule, x_shape, n):
+def test_own_rows_kernel_alone_reads_a_transposed_weight(dtype, push, schedule, x_shape, n):
   """transpose_w: the weight given as [N, K] and read K-major (the fused op's backward of a
   column-parallel layer), with C, in both schedules and both tile orders."""
   x, w = gpu_util.operands(4, x_shape, (x_shape[-1], n), dtype)
   c = jax.random.normal(jax.random.key(5), x_shape[:-1] + (n,), jnp.float32).astype(dtype)
-  f = jax.jit(functools.partial(gemm_own_rows, chunked=chunked, schedule=schedule,
-                                transpose_w=True))
-  got = f(x, jnp.asarray(w.T), c)
+  got = _own_rows(x, jnp.asarray(w.T), c, push=push, schedule=schedule, transpose_w=True)
   assert got.shape == x_shape[:-1] + (n,) and got.dtype == dtype
   assert rel_err(got, reference(x, w) + c.astype(jnp.float32)) <= TOL[dtype]
 
@@ -136,34 +147,29 @@ def test_own_rows_kernel_alone_reads_a_transposed_weight(dtype, chunked, schedul
 def test_own_rows_kernel_checks_c_at_trace_time():
   x = jax.ShapeDtypeStruct((64, 16), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((16, 32), jnp.bfloat16)
+  own_rows = functools.partial(gemm, kernel="own_rows")
   with pytest.raises(ValueError, match=r"c must have the output's shape \(64, 32\)"):
-    jax.eval_shape(gemm_own_rows, x, w, jax.ShapeDtypeStruct((64, 16), jnp.bfloat16))
+    jax.eval_shape(lambda x, w, c: own_rows(x, w, c=c), x, w,
+                   jax.ShapeDtypeStruct((64, 16), jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"kernel='own_rows' computes x @ w \+ c and needs c"):
+    jax.eval_shape(own_rows, x, w)
+  with pytest.raises(ValueError, match=r"c is read by kernel='own_rows' only"):
+    jax.eval_shape(lambda x, w, c: gemm(x, w, c=c), x, w,
+                   jax.ShapeDtypeStruct((64, 32), jnp.bfloat16))
   with pytest.raises(ValueError, match=r"K=16 and N=36 must be multiples of 8"):
-    jax.eval_shape(gemm_own_rows, x, jax.ShapeDtypeStruct((16, 36), jnp.bfloat16))
+    jax.eval_shape(lambda x, w, c: own_rows(x, w, c=c), x,
+                   jax.ShapeDtypeStruct((16, 36), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((64, 36), jnp.bfloat16))
   with pytest.raises(ValueError, match=r"K=16 and N=36 must be multiples of 8"):  # [N, K] given
-    jax.eval_shape(functools.partial(gemm_own_rows, transpose_w=True), x,
-                   jax.ShapeDtypeStruct((36, 16), jnp.bfloat16))
-
-
-def test_own_rows_variant_names_map_to_the_probe_arguments():
-  from jaxflux.ops.gemm import own_rows_variant
-  coop = {"scheduler": "fused", "schedule": "cooperative", "transpose_w": False}
-  assert own_rows_variant("own_rows") == (False, {"chunked": False, **coop})
-  # "_chunked" holds "_c": chunked without C reads no C (sessions 9-10 passed one).
-  assert own_rows_variant("own_rows_chunked") == (False, {"chunked": True, **coop})
-  assert own_rows_variant("own_rows_c_chunked_cutlass_scheduler") == (
-      True, {"chunked": True, "scheduler": "cutlass", "schedule": "cooperative",
-             "transpose_w": False})
-  assert own_rows_variant("own_rows_c_chunked_pingpong") == (
-      True, {"chunked": True, "scheduler": "fused", "schedule": "pingpong", "transpose_w": False})
-  assert own_rows_variant("own_rows_c_pingpong_kmajor") == (
-      True, {"chunked": False, "scheduler": "fused", "schedule": "pingpong", "transpose_w": True})
-  with pytest.raises(ValueError, match="'own_rows_chunked_c' is not one of"):
-    own_rows_variant("own_rows_chunked_c")
+    jax.eval_shape(lambda x, w, c: own_rows(x, w, c=c, transpose_w=True), x,
+                   jax.ShapeDtypeStruct((36, 16), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((64, 36), jnp.bfloat16))
 
 
 @pytest.mark.skipif(jaxflux.has_cuda(), reason="checks the no-GPU error")
 def test_own_rows_kernel_unavailable_without_gpu():
-  with pytest.raises(jaxflux.FusedKernelUnavailableError, match="gemm_own_rows"):
-    jax.eval_shape(gemm_own_rows, jax.ShapeDtypeStruct((64, 16), jnp.bfloat16),
-                   jax.ShapeDtypeStruct((16, 64), jnp.bfloat16))
+  with pytest.raises(jaxflux.FusedKernelUnavailableError, match="gemm\\(kernel='own_rows'\\)"):
+    jax.eval_shape(lambda x, w, c: gemm(x, w, kernel="own_rows", c=c),
+                   jax.ShapeDtypeStruct((64, 16), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((16, 64), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((64, 64), jnp.bfloat16))

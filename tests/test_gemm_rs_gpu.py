@@ -2,7 +2,6 @@
 shapes, batch dims, back-to-back calls with fresh data, mixing with XLA collectives, loops,
 determinism, gradients (through the fused AllGather+GEMM), the compiled HLO and the bounded wait.
 Skipped unless jaxflux.has_cuda() and at least 2 GPUs."""
-import importlib
 import time
 
 import jax
@@ -13,15 +12,12 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxflux
-from jaxflux import _hlo, _runtime
-from jaxflux.ops.gemm import gemm
+import hlo_util
+from jaxflux import _runtime, tuning
+from jaxflux.ops import _fused
 from gpu_util import TOL, bench_shapes, gpu_mesh, operands, reference, rel_err
 
 pytestmark = pytest.mark.gpu
-
-# The module (jaxflux.ops re-exports the function under the same name).
-rs_module = importlib.import_module("jaxflux.ops.matmul_reduce_scatter")
-
 
 @pytest.fixture(autouse=True)
 def _no_device_errors():
@@ -82,12 +78,16 @@ def test_weight_given_transposed_matches_reference(reduce, dtype, rows_per_rank,
   tp = mesh.shape["tp"]
   x, w = operands(rows_per_rank + K + N, batch + (tp * rows_per_rank, K * tp), (K * tp, N),
                   dtype)
+  if reduce == "epilogue" and tp != 2:
+    pytest.skip("the epilogue reduction is built for tp=2")
   wt = jnp.asarray(w.T)  # [N, K*tp]: the kernel gets this array, never w
   lead = [None] * (x.ndim - 2)
-  body = lambda x, wt: rs_module._fused(x, wt, "tp", reduce=reduce, transpose_w=True)
+  body = lambda x, wt: _fused.matmul_reduce_scatter(x, wt, "tp", transpose_w=True)
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(*lead, None, "tp"), P(None, "tp")),
                             out_specs=P(*lead, "tp", None)))
-  assert rel_err(f(x, wt), reference(x, w)) <= TOL[dtype]
+  with tuning.override("matmul_reduce_scatter", reduce=reduce):
+    got = f(x, wt)  # traced here, with the override
+  assert rel_err(got, reference(x, w)) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("reduce", ["pass", "epilogue"])
@@ -106,23 +106,34 @@ def test_both_reduction_modes_match_float32_reference(reduce, rows_per_rank, K, 
     pytest.skip("the epilogue reduction is built for tp=2")
   x, w = operands(rows_per_rank + K + N, batch + (tp * rows_per_rank, K * tp), (K * tp, N),
                    jnp.bfloat16)
-  body = lambda x, w: rs_module._fused(x, w, "tp", reduce=reduce)  # noqa: E731
-  got = _rs_fn(mesh, x.ndim, body=body)(x, w)
+  body = lambda x, w: _fused.matmul_reduce_scatter(x, w, "tp")  # noqa: E731
+  with tuning.override("matmul_reduce_scatter", reduce=reduce):
+    got = _rs_fn(mesh, x.ndim, body=body)(x, w)  # traced here, with the override
   assert rel_err(got, reference(x, w)) <= TOL[jnp.bfloat16]
   default = _rs_fn(mesh, x.ndim)(x, w)  # what impl="fused" picks
   assert rel_err(default, got) <= TOL[jnp.bfloat16]
 
 
-@pytest.mark.parametrize("M,K,N,batch,owners", [
-    (400, 264, 136, (), 2),       # owner blocks not multiples of the 128-row tile
-    (4096, 1024, 2048, (), 2),
-    (24, 96, 40, (2, 3), 4),      # batch dims: owner blocks are strided
+@pytest.mark.parametrize("push", ["chunked", "whole"])
+@pytest.mark.parametrize("schedule", tuning.OWN_ROWS_SCHEDULES)
+@pytest.mark.parametrize("swizzle", [1, 4])
+@pytest.mark.parametrize("rows_per_rank,K,N", [
+    (200, 256, 512),      # owner rows not a multiple of the 128-row tile: 2 chunks
+    (2048, 1024, 4096),   # 4 chunks of 512 rows, several waves wait on each
 ])
-def test_gemm_only_mode_matches_float32_reference(M, K, N, batch, owners):
-  gpu_mesh()
-  x, w = operands(M + owners, batch + (M, K), (K, N), jnp.bfloat16)
-  got = jax.jit(lambda x, w: gemm(x, w, tile_order="matmul_reduce_scatter", owners=owners))(x, w)
-  assert got.shape == batch + (M, N)
+def test_epilogue_pushes_and_schedules_match_float32_reference(push, schedule, swizzle,
+                                                               rows_per_rank, K, N):
+  """Every own-rows schedule and swizzle with the peer's partial pushed whole or in chunks (the
+  epilogue reduction, tp=2), against the reference."""
+  mesh = gpu_mesh()
+  tp = mesh.shape["tp"]
+  if tp != 2:
+    pytest.skip("the epilogue reduction is built for tp=2")
+  x, w = operands(rows_per_rank + K, (tp * rows_per_rank, K * tp), (K * tp, N), jnp.bfloat16)
+  body = lambda x, w: _fused.matmul_reduce_scatter(x, w, "tp")  # noqa: E731
+  with tuning.override("matmul_reduce_scatter", reduce="epilogue", push=push,
+                       own_rows_schedule=schedule, own_rows_swizzle=swizzle):
+    got = _rs_fn(mesh, 2, body=body)(x, w)  # traced here, with the override
   assert rel_err(got, reference(x, w)) <= TOL[jnp.bfloat16]
 
 
@@ -196,11 +207,11 @@ def test_compiled_hlo_has_the_custom_call_and_no_reduce_scatter():
   x, w = operands(13, (tp * 256, 128 * tp), (128 * tp, 256), jnp.bfloat16)
   text = _rs_fn(mesh, 2).lower(x, w).compile().as_text()
   assert any(t.startswith("jaxflux_matmul_reduce_scatter")
-             for t in _hlo.custom_call_targets(text))
-  assert _hlo.count_collectives(text).get("reduce-scatter", 0) == 0
+             for t in hlo_util.custom_call_targets(text))
+  assert hlo_util.count_collectives(text).get("reduce-scatter", 0) == 0
 
 
-# None: the kernel's choice, the epilogue reduction at tp=2 for this small partial.
+# None: the table's choice, the epilogue reduction at tp=2 for this small partial.
 @pytest.mark.parametrize("reduce", ["pass", None])
 def test_a_peer_that_never_signals_times_out_instead_of_hanging(reduce):
   mesh = gpu_mesh()
@@ -209,8 +220,11 @@ def test_a_peer_that_never_signals_times_out_instead_of_hanging(reduce):
   try:
     x, w = operands(17, (tp * 256, 128 * tp), (128 * tp, 256), jnp.bfloat16)
     good = _rs_fn(mesh, 2)
-    hang = _rs_fn(mesh, 2, body=lambda x, w: rs_module._fused(x, w, "tp", debug_skip_rank=0,
-                                                              reduce=reduce))
+    hang = _rs_fn(mesh, 2, body=lambda x, w: _fused.matmul_reduce_scatter(x, w, "tp",
+                                                                          debug_skip_rank=0))
+    with tuning.override("matmul_reduce_scatter", **({} if reduce is None else
+                                                     {"reduce": reduce})):
+      hang = hang.lower(x, w).compile()  # traced here, with the override
     good(x, w).block_until_ready()
     start = time.monotonic()
     hang(x, w).block_until_ready()

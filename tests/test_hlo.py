@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxflux
 from conftest import make_mesh
-from jaxflux._hlo import count_collectives
+from hlo_util import count_collectives
 
 
 def compiled_text(f, *args) -> str:

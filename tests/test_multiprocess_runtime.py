@@ -5,7 +5,7 @@ on GPUs only (tests/test_multiprocess_gpu.py)."""
 import pytest
 
 from jaxflux import _runtime
-from jaxflux.ops import _common
+from jaxflux.ops import _platform
 
 
 @pytest.mark.parametrize("records, expected", [
@@ -113,13 +113,13 @@ def test_a_peer_that_never_publishes_fails_with_a_clear_error(process1_of_2):
 def test_multi_process_reasons():
   one_host = lambda: _runtime.HostSlots(0, {0: 0}, 2, {0: 0, 1: 0}, {0: 0, 1: 1})  # noqa: E731
   two_hosts = lambda: _runtime.HostSlots(0, {0: 0}, 1, {0: 0, 1: 1}, {0: 0, 1: 0})  # noqa: E731
-  assert _common.multi_process_reason(1, one_host, "tp") is None
-  assert "one GPU per process; this process drives 2" in _common.multi_process_reason(
+  assert _platform.multi_process_reason(1, one_host, "tp") is None
+  assert "one GPU per process; this process drives 2" in _platform.multi_process_reason(
       2, one_host, "tp")
   # Two hosts: a local op (no axis) is fine; a communicating one needs the concrete mesh.
-  assert _common.multi_process_reason(1, two_hosts) is None
-  assert "spans 2 hosts" in _common.multi_process_reason(1, two_hosts, "tp")
-  assert "jax.set_mesh" in _common.multi_process_reason(1, two_hosts, "tp")
+  assert _platform.multi_process_reason(1, two_hosts) is None
+  assert "spans 2 hosts" in _platform.multi_process_reason(1, two_hosts, "tp")
+  assert "jax.set_mesh" in _platform.multi_process_reason(1, two_hosts, "tp")
 
 
 class FakeProcessDevice:
@@ -144,27 +144,27 @@ def test_multi_host_meshes_keep_each_tp_group_on_one_host():
                                     {0: 0, 1: 0, 2: 1, 3: 1})
   d = [FakeProcessDevice(i, i) for i in range(4)]
   per_host_rows = FakeMesh([[d[0], d[2]], [d[1], d[3]]], ("dp", "tp"))
-  assert _common.multi_process_reason(1, four, "tp", per_host_rows) is None
+  assert _platform.multi_process_reason(1, four, "tp", per_host_rows) is None
   # The same mesh seen along dp: each dp group pairs the two hosts.
-  assert "mesh axis 'dp' (size 2) spans 2 hosts" in _common.multi_process_reason(
+  assert "mesh axis 'dp' (size 2) spans 2 hosts" in _platform.multi_process_reason(
       1, four, "dp", per_host_rows)
   across = FakeMesh([[d[0], d[1]], [d[2], d[3]]], ("dp", "tp"))
-  reason = _common.multi_process_reason(1, four, "tp", across)
+  reason = _platform.multi_process_reason(1, four, "tp", across)
   assert "mesh axis 'tp' (size 2) spans 2 hosts in group 0 (host 0: devices [0]; host 1: " \
          "devices [1])" in reason and "impl='xla'" in reason
-  assert "spans 2 hosts" in _common.multi_process_reason(1, four, "tp", FakeMesh(d, ("tp",)))
+  assert "spans 2 hosts" in _platform.multi_process_reason(1, four, "tp", FakeMesh(d, ("tp",)))
   # A mesh without the axis: the check can't be made, so the reason says how to give the mesh.
-  assert "jax.set_mesh" in _common.multi_process_reason(1, four, "tp", FakeMesh(d, ("x",)))
+  assert "jax.set_mesh" in _platform.multi_process_reason(1, four, "tp", FakeMesh(d, ("x",)))
 
 
 def test_host_check_on_a_real_mesh():
   """The same check on a jax Mesh of 8 CPU devices with 'hosts' of 4 consecutive device ids."""
   from conftest import make_mesh
   host_of = lambda device: device.id // 4  # noqa: E731
-  assert _common.axis_hosts_reason(make_mesh((2, 4), ("dp", "tp")), "tp", host_of) is None
-  assert "spans 2 hosts" in _common.axis_hosts_reason(make_mesh((4, 2), ("tp", "dp")), "tp",
+  assert _platform.axis_hosts_reason(make_mesh((2, 4), ("dp", "tp")), "tp", host_of) is None
+  assert "spans 2 hosts" in _platform.axis_hosts_reason(make_mesh((4, 2), ("tp", "dp")), "tp",
                                                       host_of)
-  assert "spans 2 hosts" in _common.axis_hosts_reason(make_mesh((8,), ("tp",)), "tp", host_of)
+  assert "spans 2 hosts" in _platform.axis_hosts_reason(make_mesh((8,), ("tp",)), "tp", host_of)
 
 
 def test_rank_info_names_the_group_slots_under_set_mesh(monkeypatch):
@@ -175,7 +175,7 @@ def test_rank_info_names_the_group_slots_under_set_mesh(monkeypatch):
   import jax.numpy as jnp
   import numpy as np
   from jax.sharding import PartitionSpec as P
-  from jaxflux.ops import all_gather as ag
+  from jaxflux.ops import _group_call, _mesh
   from conftest import make_mesh
 
   class Slots:
@@ -186,10 +186,10 @@ def test_rank_info_names_the_group_slots_under_set_mesh(monkeypatch):
   monkeypatch.setattr(_runtime, "host_slots", lambda: Slots())
   mesh = make_mesh((2, 4), ("dp", "tp"))
   with jax.set_mesh(mesh):
-    f = jax.jit(jax.shard_map(lambda: ag.rank_info("tp")[0][None], in_specs=(),
+    f = jax.jit(jax.shard_map(lambda: _group_call.rank_info("tp")[0][None], in_specs=(),
                               out_specs=P(("dp", "tp")), axis_names={"dp", "tp"}))
     got = np.asarray(f()).reshape(2, 4, 6)
-  expected = ag.expected_rank_info(mesh, "tp")
+  expected = _mesh.expected_rank_info(mesh, "tp")
   for (i, j), device in np.ndenumerate(mesh.devices):
     rank, group = expected[device.id]
     peers = [d.id for d in mesh.devices[i]]  # the devices of this dp row, in tp order

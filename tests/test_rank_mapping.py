@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxflux.ops.all_gather import expected_rank_info, rank_info
+from jaxflux.ops._group_call import rank_info
+from jaxflux.ops._mesh import expected_rank_info
 
 
 def _mesh(shape, names, order):

@@ -1,6 +1,6 @@
 """GPU runtime tests: copy-engine all-gather vs lax.all_gather (bitwise), back-to-back calls with
 no host sync, mixing with XLA collectives, loops, alternating programs, dp x tp and permuted
-meshes, both rank caches, and the bounded-wait timeout. Skipped unless jaxflux.has_cuda()."""
+meshes, and the bounded-wait timeout. Skipped unless jaxflux.has_cuda()."""
 import time
 
 import jax
@@ -71,20 +71,12 @@ def _clean_errors():
   _runtime.check_errors()
 
 
-@pytest.fixture(params=["state", "site"])
-def rank_cache(request, monkeypatch):
-  monkeypatch.setattr(_runtime._settings, "rank_cache", request.param)
-  if _runtime.target_name("all_gather").endswith("site_cached") and request.param == "state":
-    pytest.skip("stateful FFI targets not available with this jaxlib")
-  return request.param
-
-
 SHAPES = [(8, 128), (3, 5), (1, 1), (2, 3, 7, 33), (4, 64, 1024), (5, 1)]
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("shard_shape", SHAPES)
-def test_bitwise_equal_to_lax_all_gather(dtype, shard_shape, rank_cache):
+def test_bitwise_equal_to_lax_all_gather(dtype, shard_shape):
   mesh = _mesh()
   tp = mesh.shape["tp"]
   shape = shard_shape[:-2] + (tp * shard_shape[-2], shard_shape[-1])
@@ -95,7 +87,7 @@ def test_bitwise_equal_to_lax_all_gather(dtype, shard_shape, rank_cache):
   np.testing.assert_array_equal(_bits(fused), _bits(ref))
 
 
-def test_500_back_to_back_calls_without_host_sync(rank_cache):
+def test_500_back_to_back_calls_without_host_sync():
   mesh = _mesh()
   tp = mesh.shape["tp"]
   shape = (tp * 64, 384)
@@ -172,7 +164,7 @@ def test_two_programs_alternating_with_workspace_growth():
 
 
 @pytest.mark.parametrize("reverse", [False, True])
-def test_dp_tp_mesh(reverse, rank_cache):
+def test_dp_tp_mesh(reverse):
   n = len(_gpus())
   mesh = _mesh((1, n), ("dp", "tp"), reverse=reverse)
   x = _random((2, n * 24, 96), jnp.bfloat16, 7)
@@ -181,7 +173,7 @@ def test_dp_tp_mesh(reverse, rank_cache):
   np.testing.assert_array_equal(_bits(fused), _bits(ref))
 
 
-def test_permuted_mesh_alternating_with_natural(rank_cache):
+def test_permuted_mesh_alternating_with_natural():
   natural, reverse = _mesh(), _mesh(reverse=True)
   tp = natural.shape["tp"]
   x = _random((tp * 40, 72), jnp.float32, 8)
@@ -210,7 +202,7 @@ def test_timeout_fails_within_the_configured_time():
   mesh = _mesh()
   jaxflux.configure(timeout_s=2.0)
   x = _random((mesh.shape["tp"] * 8, 32), jnp.float32, 10)
-  hang = _gather_fn(mesh, 2, "fused", _debug_skip_signal_rank=0)
+  hang = _gather_fn(mesh, 2, "fused", debug_skip_rank=0)
   good = _gather_fn(mesh, 2, "fused")
   good(x).block_until_ready()
   start = time.monotonic()
@@ -228,7 +220,7 @@ def test_timeout_fails_next_call_with_sync_errors():
   mesh = _mesh()
   jaxflux.configure(timeout_s=2.0, sync_errors=True)
   x = _random((mesh.shape["tp"] * 8, 32), jnp.float32, 11)
-  hang = _gather_fn(mesh, 2, "fused", _debug_skip_signal_rank=1)
+  hang = _gather_fn(mesh, 2, "fused", debug_skip_rank=1)
   with pytest.raises(Exception, match="timed out"):
     hang(x).block_until_ready()
   jaxflux.configure(sync_errors=False)

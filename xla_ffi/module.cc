@@ -46,25 +46,20 @@ NB_MODULE(_jaxflux, m) {
   m.def("registrations", []() {
     nb::dict registrations;
 #ifdef JAXFLUX_WITH_CUDA
-    nb::dict stateful;
-    stateful["instantiate"] = Capsule(JaxfluxAllGatherInstantiate);
-    stateful["execute"] = Capsule(JaxfluxAllGatherExecute);
-    registrations["jaxflux_all_gather"] = stateful;
-    registrations["jaxflux_all_gather_site_cached"] = Capsule(JaxfluxAllGatherSiteCached);
+    // The three group targets are stateful: one rank state per executable instance, created by
+    // the same instantiate stage.
+    auto stateful = [](auto* execute) {
+      nb::dict stages;
+      stages["instantiate"] = Capsule(JaxfluxRankStateInstantiate);
+      stages["execute"] = Capsule(execute);
+      return stages;
+    };
+    registrations["jaxflux_all_gather"] = stateful(JaxfluxAllGatherExecute);
+    registrations["jaxflux_all_gather_matmul"] = stateful(JaxfluxAgGemmExecute);
+    registrations["jaxflux_matmul_reduce_scatter"] = stateful(JaxfluxGemmRsExecute);
     registrations["jaxflux_gemm"] = Capsule(JaxfluxGemm);
-    registrations["jaxflux_gemm_own_rows"] = Capsule(JaxfluxGemmOwnRows);
     registrations["jaxflux_device_clock"] = Capsule(JaxfluxDeviceClock);
     registrations["jaxflux_device_slot"] = Capsule(JaxfluxDeviceSlot);
-    nb::dict ag_gemm;
-    ag_gemm["instantiate"] = Capsule(JaxfluxAllGatherInstantiate);  // the same rank cache
-    ag_gemm["execute"] = Capsule(JaxfluxAgGemmExecute);
-    registrations["jaxflux_all_gather_matmul"] = ag_gemm;
-    registrations["jaxflux_all_gather_matmul_site_cached"] = Capsule(JaxfluxAgGemmSiteCached);
-    nb::dict gemm_rs;
-    gemm_rs["instantiate"] = Capsule(JaxfluxAllGatherInstantiate);  // the same rank cache
-    gemm_rs["execute"] = Capsule(JaxfluxGemmRsExecute);
-    registrations["jaxflux_matmul_reduce_scatter"] = gemm_rs;
-    registrations["jaxflux_matmul_reduce_scatter_site_cached"] = Capsule(JaxfluxGemmRsSiteCached);
 #endif
     return registrations;
   }, "FFI targets by name (PyCapsules or stage dicts), empty when built without CUDA.");
@@ -102,6 +97,8 @@ NB_MODULE(_jaxflux, m) {
         },
         "The first error a kernel recorded since the last take (and clears it), or None.");
   m.def("discovery_count", &jaxflux::DiscoveryCount);
+  m.def("sm_count", &jaxflux::DeviceSmCount, nb::arg("ordinal"),
+        "Streaming multiprocessors of CUDA device `ordinal` (0 if it can't be read).");
 
   // One process per GPU (jaxflux/_runtime.py drives these at trace time).
   m.def("set_slot", &jaxflux::SetSlot, nb::arg("ordinal"), nb::arg("slot"),

@@ -1,14 +1,15 @@
-"""Benchmark harness: `python -m jaxflux.bench --op {all_gather,ag_gemm,gemm_rs}`.
+"""Benchmark harness: `python -m jaxflux.bench --op {all_gather,ag_gemm,gemm_rs,gemm}`.
 
 Times every variant of one op side by side in one process, on fresh random data, over a 1-D
 mesh ('tp',) of the local devices, and writes a JSON record (command, machine, versions, one row
-per shape) under benchmarks/results/. DESIGN.md section 5 says what counts; benchmarks/README.md
-says how to run it and how to read the JSON.
+per shape) under benchmarks/results/. benchmarks/README.md says how to run it, how to read the
+JSON, and which committed result backs which claim.
 
 Variants (per row; each runs under `jit`, inside `jax.shard_map` except the two GSPMD ones, on
 inputs already placed with the sharding the program expects, so no resharding is timed):
   gemm          XLA dot alone on the per-device shape, no collective
                   (ag_gemm: [M, K] @ [K, N/tp]; gemm_rs: [M, K/tp] @ [K/tp, N])
+  gemm_only     the fused kernels' GEMM work with communication off, same per-device shape
   comm          the collective alone (lax.all_gather of the [M/tp, K] shard; lax.psum_scatter of
                   the [M, N] partial)
   xla           jaxflux op, impl="xla" (all_gather + dot / dot + psum_scatter)
@@ -20,16 +21,15 @@ inputs already placed with the sharding the program expects, so no resharding is
   auto          jaxflux op, impl="auto"
   xla_gspmd     (not run by default) the GSPMD program of xla_windowed without the flags
 For --op all_gather: `xla` is lax.all_gather and `jaxflux` the internal copy-engine all-gather
-(jaxflux.ops.all_gather.all_gather(x, axis_name, impl="fused")).
+(jaxflux.ops.all_gather.all_gather(x, axis_name, impl="fused")). --op gemm is the single-device
+GEMM table (jaxflux/bench/gemm_table.py).
 
-Timing (see `_Timed` and `_chain`): on GPU the default is `--timing dispatch` (below); elsewhere
-one jitted program runs the op `--iters` times
-in a `lax.fori_loop` and the host synchronizes once; each call is made to depend on the previous
-call's output (an optimization barrier on GPU, a one-element in-place nudge elsewhere) so that
-XLA can neither hoist, merge nor overlap calls; small shapes rotate among several input sets so
-they don't run from L2. `--timing dispatch` queues jitted single calls from Python instead.
-Repeats are interleaved round-robin across variants (the order rotates each repeat); a row
-reports the median and the min/max over repeats of the time per call.
+Timing (timing.py): on GPU the GPUs' own clocks around queued calls (`--timing device`) or the
+host's (`dispatch`); elsewhere one jitted program runs the op `--iters` times in a
+`lax.fori_loop` with each call depending on the previous one (`loop`). Small shapes rotate among
+several input sets so they don't run from L2. Repeats are interleaved round-robin across
+variants (the order rotates each repeat); a row reports the median and the min/max over repeats
+of the time per call.
 """
 # The public names of the harness, importable from jaxflux.bench as when it was one module; each
 # lives in the submodule that does its one job (rows, inputs, variants, timing, measure, summary,

@@ -13,7 +13,8 @@ import jax
 
 from jaxflux.bench import device_clock, processes
 from jaxflux.bench.config import (CHILD_MARKER, DEFAULT_VARIANTS, DEFINITIONS, EXTRA_VARIANTS,
-                                  OP_VARIANTS, OPS, WINDOWED_FLAGS, repo_root)
+                                  GEMM_VARIANTS, OP_VARIANTS, OPS, WINDOWED_FLAGS, repo_root)
+from jaxflux.bench.gemm_table import format_gemm_table, summarize_table
 from jaxflux.bench.inputs import make_mesh
 from jaxflux.bench.machine import provenance
 from jaxflux.bench.measure import bench_row
@@ -55,28 +56,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--shapes", type=_csv(str), default=None,
                  help="comma-separated shape names from the shapes file (default: all)")
   p.add_argument("--M", type=_csv(int), default=None,
-                 help="comma-separated global token counts (default: the shapes file's M list)")
+                 help="comma-separated global token counts (default: the shapes file's M list; "
+                      "--op gemm: 2048,4096,8192,16384)")
   p.add_argument("--sizes-mib", type=_csv(float), default=None,
                  help="all_gather only: per-device shard sizes in MiB instead of the shapes")
   p.add_argument("--dtype", default="bfloat16", help="input dtype (default bfloat16)")
-  p.add_argument("--tp", type=int, default=None, help="devices on the tp axis (default: all)")
+  p.add_argument("--tp", type=int, default=None,
+                 help="devices on the tp axis (default: all); --op gemm runs on one device the "
+                      "per-device GEMMs of this tp (default 2)")
   p.add_argument("--iters", type=int, default=100, help="op calls per timed run (default 100)")
   p.add_argument("--warmup", type=int, default=10,
                  help="untimed calls before timing, run as whole timed runs, at least one "
                       "(default 10)")
   p.add_argument("--repeats", type=int, default=5,
                  help="timed runs per variant, interleaved (default 5)")
-  p.add_argument("--variants", type=_csv(str), default=list(DEFAULT_VARIANTS),
+  p.add_argument("--variants", type=_csv(str), default=None,
                  help=f"comma-separated, any of {DEFAULT_VARIANTS + EXTRA_VARIANTS} "
-                      f"(default {','.join(DEFAULT_VARIANTS)})")
+                      f"(default {','.join(DEFAULT_VARIANTS)}); --op gemm: any of "
+                      f"{GEMM_VARIANTS} (default all)")
   p.add_argument("--timing", choices=("auto", "loop", "dispatch", "device"), default="auto",
                  help="loop: calls chained in one jitted fori_loop; dispatch: Python loop of "
                       "async jitted calls, one sync; device (GPU): dispatch's calls timed by "
                       "the GPUs' own clocks, read in stream order around them "
                       "(jaxflux/bench/device_clock.py); auto (default): device on GPU with a "
-                      "CUDA build of jaxflux (median spread 0.45%% where dispatch's was 7.3%% on "
-                      "2xH200), else dispatch there (loop mode timed collectives impossibly "
-                      "fast on GPU), loop elsewhere (queued CPU collectives deadlock)")
+                      "CUDA build of jaxflux (no host dispatch in the time), else dispatch there "
+                      "(loop mode timed collectives impossibly fast on GPU), loop elsewhere "
+                      "(queued CPU collectives deadlock)")
   p.add_argument("--chain", choices=("auto", "barrier", "perturb"), default="auto",
                  help="how loop-mode calls are made to depend on each other: barrier "
                       "(free; GPU), perturb (one tiny kernel per call; works everywhere); auto "
@@ -88,7 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--out", default=None,
                  help="output folder (default: benchmarks/results/ of the repo) or a .json path")
   p.add_argument("--shapes-file", default=None,
-                 help="default: shared/bench/shapes.json beside the repo (../shared) or in it")
+                 help="default: benchmarks/shapes.json of the repository")
   p.add_argument("--distributed", metavar="COORD,NUM,ID", nargs="?", const="auto",
                  help="join jax.distributed as process ID of NUM, coordinator at COORD "
                       "(host:port, process 0's); bare --distributed auto-detects them (SLURM, "
@@ -101,10 +106,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--child-timeout", type=float, default=3600.0, help=argparse.SUPPRESS)
   p.add_argument("--_windowed-child", dest="_windowed_child", action="store_const", const=True,
                  default=False, help=argparse.SUPPRESS)
+  # Test hook: the xla_windowed child runs off GPU too (where XLA ignores the flags).
+  p.add_argument("--_windowed-anywhere", dest="_windowed_anywhere", action="store_true",
+                 help=argparse.SUPPRESS)
   args = p.parse_args(argv)
-  unknown = [v for v in args.variants if v not in DEFAULT_VARIANTS + EXTRA_VARIANTS]
+  known = GEMM_VARIANTS if args.op == "gemm" else DEFAULT_VARIANTS + EXTRA_VARIANTS
+  if args.variants is None:
+    args.variants = list(GEMM_VARIANTS if args.op == "gemm" else DEFAULT_VARIANTS)
+  unknown = [v for v in args.variants if v not in known]
   if unknown:
-    p.error(f"--variants: unknown {unknown}; choose from {DEFAULT_VARIANTS + EXTRA_VARIANTS}")
+    p.error(f"--variants: unknown {unknown} for --op {args.op}; choose from {known}")
   if args.sizes_mib and args.op != "all_gather":
     p.error("--sizes-mib applies to --op all_gather only")
   for name in ("iters", "repeats"):
@@ -124,6 +135,8 @@ def _bench_rows(args, rows, mesh, variants, result, out_path, child, want_window
       merge_windowed(record, child)
     record.pop("key")
     result["rows"].append(record)
+    if row.op == "gemm":
+      result["summary"] = summarize_table(result["rows"])
     log("        " + _row_summary(record), flush=True)
     # Written after every row so that a run cut short keeps what it measured.
     if processes.is_leader():
@@ -163,11 +176,14 @@ def run(argv: list[str] | None = None, log=print) -> dict:
     child = {"skipped": "not timed in multi-process runs (its child process would have to "
                         "join the group)"}
   elif want_windowed:
-    child = platforms_exclude_gpu()
+    child = platforms_exclude_gpu(args)
     child = {"skipped": child} if child else run_windowed_child(args, argv, shapes_path, log=log)
 
-  mesh = make_mesh(args.tp or len(jax.devices()))
-  tp = mesh.devices.size
+  if args.op == "gemm":  # one device, the per-device GEMMs of a tp group
+    mesh, tp = make_mesh(1), args.tp or 2
+  else:
+    mesh = make_mesh(args.tp or len(jax.devices()))
+    tp = mesh.devices.size
   rows = build_rows(args, shapes, tp)
   platform = jax.default_backend()
   result: dict[str, Any] = {
@@ -202,7 +218,7 @@ def run(argv: list[str] | None = None, log=print) -> dict:
   if processes.is_leader():
     write_json(out_path, result)
   result["output"] = str(out_path)
-  log(format_table(result))
+  log(format_gemm_table(result) if args.op == "gemm" else format_table(result))
   log(f"[bench] wrote {out_path}")
   return result
 

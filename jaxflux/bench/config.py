@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
-OPS = ("all_gather", "ag_gemm", "gemm_rs")
+OPS = ("all_gather", "ag_gemm", "gemm_rs", "gemm")
 AXIS = "tp"
 DEFAULT_VARIANTS = ("gemm", "gemm_only", "comm", "xla", "xla_windowed", "pallas", "jaxflux", "auto")
 EXTRA_VARIANTS = ("xla_gspmd", "jaxflux_wt")
@@ -15,14 +15,19 @@ OP_VARIANTS = {
                 "xla_windowed", "xla_gspmd"),
     "gemm_rs": ("xla", "gemm", "gemm_only", "comm", "jaxflux", "jaxflux_wt", "auto",
                 "xla_windowed", "xla_gspmd"),
+    # One device: each row is one GEMM a device runs in the fused op at tp=2 (see gemm_table.py).
+    "gemm": ("xla", "gemm_only", "xla_own_rows", "own_rows"),
 }
+GEMM_VARIANTS = OP_VARIANTS["gemm"]
+# --op gemm's default token counts: where impl="auto" takes the fused kernels at tp=2.
+GEMM_TABLE_M = (2048, 4096, 8192, 16384)
 # Variants whose output is the op's output (checked against `xla`).
 OUTPUT_VARIANTS = ("xla", "pallas", "jaxflux", "jaxflux_wt", "auto", "xla_windowed", "xla_gspmd")
 WINDOWED_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0",
                   "--xla_gpu_multi_streamed_windowed_einsum=true")
 DISPLAY_ORDER = ("gemm", "gemm_only", "comm", "xla", "xla_windowed", "pallas", "jaxflux",
                  "jaxflux_wt", "auto", "xla_gspmd")
-CHILD_MARKER = "JAXFLUX_BENCH_CHILD_JSON:"
+CHILD_MARKER = "jaxflux.bench child result: "
 # Above any device memory's bandwidth today (H200: 4.8 TB/s): a sanity floor, see `_floor_ms`.
 FLOOR_BANDWIDTH = 10e12
 # A config that computes wrong values must not win the Pallas sweep.
@@ -42,7 +47,12 @@ DEFINITIONS = {
     "overlap_efficiency": ("FLUX's E = (T_gemm + T_comm - T_v) / T_comm for v = jaxflux; "
                            "overlap_efficiency_all for every fused or unfused variant. 1 = the "
                            "collective fully hidden, 0 = no overlap, < 0 = slower than serial"),
-    "rel_err": "||y_v - y_xla||_F / ||y_xla||_F on one call's output, computed in float32",
+    "rel_err": ("||y_v - y_xla||_F / ||y_xla||_F on one call's output, computed in float32; "
+                "--op gemm: against the variant's own product computed by XLA in float32"),
+    "gemm_only_vs_xla": ("--op gemm: ms['gemm_only'] / ms['xla'] (> 1: the fused kernels' GEMM "
+                         "work is slower than XLA's dot, i.e. cuBLAS, on the same operands)"),
+    "own_rows_vs_xla_own_rows": ("--op gemm, gemm_rs rows: ms['own_rows'] / ms['xla_own_rows'] "
+                                 "(the own-rows kernel reading C against XLA's dot without C)"),
 }
 
 

@@ -26,6 +26,14 @@ def make_mesh(tp: int) -> Mesh:
 def _input_layouts(row: Row) -> dict[str, tuple[tuple[int, ...], P]]:
   """Global shape and PartitionSpec of every array a row's variants take."""
   M, K, N, tp = row.M, row.K, row.N, row.tp
+  if row.op == "gemm":  # one device: the per-device operands themselves, unsharded
+    if row.of == "ag_gemm":
+      return {"x": ((M, K), P()), "w": ((K, N // tp), P())}
+    m, k = M // tp, K // tp
+    # gemm_only's two row blocks and own_rows' operands are arrays of their own: a slice of x
+    # passed to a custom call would be copied first, inside the timed program.
+    return {"x": ((M, k), P()), "w": ((k, N), P()), "x_peer": ((M - m, k), P()),
+            "x_own": ((m, k), P()), "c": ((m, N), P())}
   if row.op == "all_gather":
     return {"x": ((M, K), P(AXIS, None))}
   if row.op == "ag_gemm":
@@ -35,6 +43,8 @@ def _input_layouts(row: Row) -> dict[str, tuple[tuple[int, ...], P]]:
             # jaxflux_wt: w given transposed (made from w, see make_inputs).
             "wt": ((N, K), P(AXIS, None))}
   return {"x": ((M, K), P(None, AXIS)), "w": ((K, N), P(AXIS, None)),
+          # gemm_only: x's two row blocks as arrays of their own (tp=2).
+          "x_peer": ((M - M // tp, K), P(None, AXIS)), "x_own": ((M // tp, K), P(None, AXIS)),
           # comm: each device reduce-scatters its own [M, N] partial.
           "partial": ((tp * M, N), P(AXIS, None)),
           "wt": ((N, K), P(None, AXIS))}
@@ -43,7 +53,8 @@ def _input_layouts(row: Row) -> dict[str, tuple[tuple[int, ...], P]]:
 def _main_input_bytes_per_device(row: Row) -> int:
   names = ("x",) if row.op == "all_gather" else ("x", "w")
   layouts = _input_layouts(row)
-  return sum(math.prod(layouts[n][0]) for n in names) // row.tp * row.itemsize
+  devices = 1 if row.op == "gemm" else row.tp
+  return sum(math.prod(layouts[n][0]) for n in names) // devices * row.itemsize
 
 
 def input_set_count(row: Row, rotate_mib: float) -> int:

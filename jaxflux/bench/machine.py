@@ -91,13 +91,12 @@ def versions() -> dict:
 
 def provenance(program: str, argv: list, stamp: datetime.datetime | None = None) -> dict:
   """The head of every result record: the command that produced it (`program` + argv), the
-  knobs that change what is measured (JAXFLUX_* and XLA_FLAGS), UTC date, machine, versions."""
+  environment that changes what is measured (XLA_FLAGS), UTC date, machine, versions."""
   stamp = stamp or datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
   return {
       "command": f"{program} {shlex.join(argv)}",
       "argv": list(argv),
-      "env": {k: v for k, v in sorted(os.environ.items())
-              if k.startswith("JAXFLUX_") or k == "XLA_FLAGS"},
+      "env": {k: os.environ[k] for k in ("XLA_FLAGS",) if k in os.environ},
       "date": stamp.isoformat().replace("+00:00", "Z"),
       "machine": machine_info(),
       "versions": versions(),

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxflux.bench.config import OP_VARIANTS, OUTPUT_VARIANTS, PALLAS_MAX_REL_ERR
+from jaxflux.bench.gemm_table import ROW_VARIANTS, summarize_gemm_row
 from jaxflux.bench.inputs import input_set_count, make_inputs
 from jaxflux.bench.rows import Row
 from jaxflux.bench.summary import summarize_row
@@ -40,6 +41,13 @@ def _error_text(e: BaseException, limit: int = 600) -> str:
   return text if len(text) <= limit else text[:limit] + "..."
 
 
+def _reference_error(variant: Variant, timed: _Timed, y: jax.Array) -> float:
+  """rel_err of y against variant.reference on the inputs of the call that produced y (the
+  loop's last call takes set 0; dispatched calls cycle through the sets)."""
+  last = 0 if timed.mode == "loop" else (timed.calls - 1) % len(timed.args)
+  return float(_rel_err(y, jax.jit(variant.reference)(*timed.args[last])))
+
+
 @dataclasses.dataclass
 class _Prepared:
   timed: _Timed
@@ -63,7 +71,8 @@ def bench_row(row: Row, mesh: Mesh, variants: list[str], args, log=print) -> dic
   """Times the requested variants of one row; returns the row's JSON record."""
   n_sets = input_set_count(row, args.rotate_mib)
   input_sets = make_inputs(row, mesh, n_sets, args.seed)
-  applicable = [v for v in OP_VARIANTS[row.op] if v in variants]
+  applicable = [v for v in OP_VARIANTS[row.op] if v in variants and
+                (row.op != "gemm" or v in ROW_VARIANTS[row.of])]
   errors: dict[str, str] = {}
   prepared: dict[str, _Prepared] = {}
   rel_err: dict[str, float] = {}
@@ -110,7 +119,9 @@ def bench_row(row: Row, mesh: Mesh, variants: list[str], args, log=print) -> dic
     except Exception as e:  # noqa: BLE001 - a variant that fails is recorded, never substituted
       errors[name] = _error_text(e)
       continue
-    if name == "xla":
+    if variant.reference is not None:  # --op gemm: against the product in float32
+      rel_err[name] = _reference_error(variant, prep.timed, y)
+    elif name == "xla":
       reference = y
     elif name in OUTPUT_VARIANTS:
       err = check(variant, y)
@@ -142,9 +153,12 @@ def bench_row(row: Row, mesh: Mesh, variants: list[str], args, log=print) -> dic
 
   if args.timing == "device":
     extra["device_queue_filled"] = {n: p.timed.queue_filled for n, p in prepared.items()}
-  record = summarize_row(row, variants, samples, errors, rel_err,
-                         {n: p.timed.calls for n, p in prepared.items()},
-                         {n: round(p.compile_s, 3) for n, p in prepared.items()}, n_sets)
+  calls = {n: p.timed.calls for n, p in prepared.items()}
+  compile_s = {n: round(p.compile_s, 3) for n, p in prepared.items()}
+  if row.op == "gemm":
+    record = summarize_gemm_row(row, samples, errors, rel_err, calls, compile_s, n_sets)
+  else:
+    record = summarize_row(row, variants, samples, errors, rel_err, calls, compile_s, n_sets)
   record.update(extra)
   del prepared, input_sets
   return record

@@ -6,13 +6,14 @@ import pathlib
 
 import jax.numpy as jnp
 
-from jaxflux.bench.config import repo_root
+from jaxflux.bench.config import GEMM_TABLE_M, repo_root
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
   """One benchmark row. M, K, N are the global GEMM shape y[M, N] = x[M, K] @ w[K, N]
-  (for all_gather: the gathered array is [M, K] and N is unused, 0)."""
+  (for all_gather: the gathered array is [M, K] and N is unused, 0). For op "gemm", `of` names
+  the fused op ("ag_gemm" or "gemm_rs") whose per-device GEMM at `tp` the row runs on one device."""
   op: str
   name: str
   M: int
@@ -20,6 +21,7 @@ class Row:
   N: int
   tp: int
   dtype: str
+  of: str = ""
 
   @property
   def itemsize(self) -> int:
@@ -32,12 +34,19 @@ class Row:
   @property
   def comm_bytes_per_device(self) -> int:
     """Bytes each device receives in the collective ((tp-1) chunks)."""
+    if self.op == "gemm":
+      return 0
     chunk = self.M // self.tp * (self.N if self.op == "gemm_rs" else self.K)
     return (self.tp - 1) * chunk * self.itemsize
 
   @property
   def per_device_shapes(self) -> dict:
     m, k, n = self.M // self.tp, self.K // self.tp, self.N // self.tp
+    if self.op == "gemm" and self.of == "ag_gemm":
+      return {"x": [self.M, self.K], "w": [self.K, n], "out": [self.M, n]}
+    if self.op == "gemm":
+      return {"x": [self.M, k], "w": [k, self.N], "out": [self.M, self.N],
+              "own_rows": {"x": [m, k], "c": [m, self.N], "out": [m, self.N]}}
     if self.op == "all_gather":
       return {"x": [m, self.K], "out": [self.M, self.K]}
     if self.op == "ag_gemm":
@@ -45,25 +54,22 @@ class Row:
     return {"x": [self.M, k], "w": [k, self.N], "out": [m, self.N]}
 
   def key(self) -> list:
-    return [self.op, self.name, self.M, self.K, self.N, self.tp, self.dtype]
+    key = [self.op, self.name, self.M, self.K, self.N, self.tp, self.dtype]
+    return key + [self.of] if self.of else key
 
 
 def find_shapes_file(explicit: str | None) -> pathlib.Path:
-  """--shapes-file, else shared/bench/shapes.json beside or inside the repo (or the cwd), else
-  the copy in benchmarks/shapes.json."""
+  """--shapes-file, else the repository's benchmarks/shapes.json (a source checkout)."""
   if explicit:
     path = pathlib.Path(explicit)
     if not path.is_file():
       raise FileNotFoundError(f"--shapes-file {explicit}: no such file")
     return path
-  roots = (repo_root(), pathlib.Path.cwd())
-  candidates = [r / sub / "bench" / "shapes.json" for r in roots for sub in ("../shared", "shared")]
-  candidates.append(repo_root() / "benchmarks" / "shapes.json")  # the copy committed with the repo
-  for path in candidates:
-    if path.is_file():
-      return path.resolve()
-  raise FileNotFoundError("shapes.json not found; looked in " + ", ".join(map(str, candidates)) +
-                          ". Pass --shapes-file PATH.")
+  path = repo_root() / "benchmarks" / "shapes.json"
+  if path.is_file():
+    return path.resolve()
+  raise FileNotFoundError(f"{path} not found (jaxflux is not run from a source checkout); pass "
+                          "--shapes-file PATH.")
 
 
 def _all_gather_width(elements: int) -> int:
@@ -84,6 +90,8 @@ def build_rows(args, shapes: dict, tp: int) -> list[Row]:
       k = _all_gather_width(elements)
       rows.append(Row("all_gather", f"{mib:g}MiB", elements // k * tp, k, 0, tp, args.dtype))
     return rows
+  if args.op == "gemm":
+    return _gemm_rows(args, shapes, tp)
   table = shapes.get("ag_gemm" if args.op == "all_gather" else args.op, [])
   if args.shapes:
     known = {s["name"] for s in table}
@@ -112,4 +120,25 @@ def build_rows(args, shapes: dict, tp: int) -> list[Row]:
       if size % tp:
         raise ValueError(f"row {row.name}: {dim}={size} is not divisible by tp={tp}; pick "
                          "another --M / --tp.")
+  return rows
+
+
+def _gemm_rows(args, shapes: dict, tp: int) -> list[Row]:
+  """--op gemm: every ag_gemm then gemm_rs shape at each M, as one device runs it at `tp`."""
+  ms = args.M or list(GEMM_TABLE_M)
+  tables = {of: shapes.get(of, []) for of in ("ag_gemm", "gemm_rs")}
+  if args.shapes:
+    known = {s["name"] for t in tables.values() for s in t}
+    missing = [n for n in args.shapes if n not in known]
+    if missing:
+      raise ValueError(f"--shapes: unknown name(s) {missing}; the shapes file has {sorted(known)}")
+    tables = {of: [s for s in t if s["name"] in args.shapes] for of, t in tables.items()}
+  rows = [Row("gemm", s["name"], int(m), int(s["K"]), int(s["N"]), tp, args.dtype, of)
+          for of, table in tables.items() for s in table for m in ms]
+  for row in rows:
+    dim, size = ("N", row.N) if row.of == "ag_gemm" else ("K", row.K)
+    for d, v in ((dim, size), ("M", row.M)):
+      if v % tp:
+        raise ValueError(f"row {row.name}: {d}={v} is not divisible by tp={tp}; pick another "
+                         "--M / --tp.")
   return rows

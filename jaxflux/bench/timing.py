@@ -75,7 +75,7 @@ class _Timed:
   mode "loop": one jitted program runs the calls in a `lax.fori_loop` (see `_chain`), so there
     is no per-call dispatch at all; this is the default and suits any op size.
   mode "dispatch": a Python loop dispatches a jitted single call `calls` times asynchronously,
-    then blocks once (what DESIGN.md's baseline numbers used); fine for ms-scale ops, but host
+    then blocks once; fine for ms-scale ops, but host
     dispatch (tens of µs a call) shows through on small ones. On CPU every call is waited for
     (queued multi-device CPU programs can deadlock in XLA's in-process collectives).
   mode "device" (GPU): the calls of "dispatch", timed by the GPUs' own clocks read in stream

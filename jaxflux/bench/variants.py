@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxflux.bench import gemm_table
 from jaxflux.bench.config import AXIS, OP_VARIANTS
 from jaxflux.bench.machine import is_gpu
 from jaxflux.bench.rows import Row
@@ -26,6 +27,7 @@ class Variant:
   check_vma: bool = True
   gspmd_out_spec: P | None = None  # set for global (GSPMD) programs
   note: str | None = None
+  reference: Callable | None = None  # --op gemm: the same product by XLA in float32
 
 
 class Unavailable(Exception):
@@ -50,24 +52,24 @@ def make_variant(name: str, row: Row) -> Variant:
   op = row.op
   if name not in OP_VARIANTS[op]:
     raise Unavailable(f"not applicable to --op {op}")
+  if op == "gemm":
+    spec = gemm_table.variant_spec(name, row)
+    if isinstance(spec, str):
+      raise Unavailable(spec)
+    fn, inputs, reference = spec
+    return Variant(name, fn, inputs, reference=reference)
   if op == "all_gather":
     if name == "xla":
       return Variant(name, lambda x: lax.all_gather(x, AXIS, axis=0, tiled=True), ("x",))
     return Variant(name, _jaxflux_op(op, "fused"), ("x",))
   if name == "gemm":
     return Variant(name, jnp.dot, ("x_full", "w") if op == "ag_gemm" else ("x", "w"))
-  if name == "gemm_only":  # the fused kernels' own GEMM with communication off, same shape
-    from jaxflux.ops import gemm as gemm_module
-    try:
-      probe = jax.ShapeDtypeStruct((8, 8), row.dtype)
-      jax.eval_shape(gemm_module.gemm, probe, probe)
-    except Exception as e:  # noqa: BLE001 - recorded as the reason the variant is null
-      raise Unavailable(f"{type(e).__name__}: {e}") from e
+  if name == "gemm_only":  # the fused kernels' own GEMM work with communication off
     if op == "ag_gemm":
-      return Variant(name, functools.partial(gemm_module.gemm, tile_order="all_gather_matmul"),
-                     ("x_full", "w"))
-    return Variant(name, functools.partial(gemm_module.gemm, tile_order="matmul_reduce_scatter",
-                                           owners=row.tp), ("x", "w"))
+      return Variant(name, gemm_table.ag_gemm_only, ("x_full", "w"))
+    if row.tp != 2:
+      raise Unavailable(f"the GEMM+RS GEMM-only composition is defined at tp=2, not tp={row.tp}")
+    return Variant(name, gemm_table.rs_gemm_only, ("x_peer", "x_own", "w"))
   if name == "comm":
     if op == "ag_gemm":
       return Variant(name, lambda x: lax.all_gather(x, AXIS, axis=0, tiled=True), ("x",))

@@ -18,17 +18,12 @@ from jaxflux.bench.rows import build_rows, find_shapes_file
 from jaxflux.bench.summary import overlap, ratio
 
 
-def _windowed_anywhere() -> bool:
-  """Test hook: run the xla_windowed child on any platform (the flags then do nothing)."""
-  return os.environ.get("JAXFLUX_BENCH_WINDOWED_ON_CPU") == "1"
-
-
-def platforms_exclude_gpu() -> str | None:
+def platforms_exclude_gpu(args) -> str | None:
   """A reason when JAX is configured for platforms without a GPU (checked without starting
   the backends, so the child can run before this process claims GPU memory)."""
   platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS") or ""
   has_gpu = any(p in platforms for p in ("cuda", "gpu", "rocm"))
-  if platforms and not has_gpu and not _windowed_anywhere():
+  if platforms and not has_gpu and not args._windowed_anywhere:
     return f"needs a GPU (jax_platforms={platforms!r})"
   return None
 
@@ -103,7 +98,7 @@ def merge_windowed(record: dict, child: dict) -> None:
 
 def run_child(args) -> dict:
   """The --_windowed-child mode: time xla and xla_windowed for the given rows, return JSON."""
-  if not is_gpu() and not _windowed_anywhere():
+  if not is_gpu() and not args._windowed_anywhere:
     return {"skipped": f"needs a GPU (platform is {jax.default_backend()})"}
   shapes_path = None if args.op == "all_gather" and args.sizes_mib else find_shapes_file(
       args.shapes_file)

@@ -1,4 +1,4 @@
-"""The tensor-parallel ops, one module each."""
+"""The tensor-parallel ops: the public pair (one module each) and their internal layers."""
 from jaxflux.ops._common import FusedKernelUnavailableError
 from jaxflux.ops.all_gather_matmul import all_gather_matmul
 from jaxflux.ops.matmul_reduce_scatter import matmul_reduce_scatter

@@ -2,14 +2,14 @@
 //
 // Per call (epoch e, parity e%2) on this device (rank r of tp), with A = the receive half
 // [e%2] of the symmetric workspace laid out as the gathered x, [batch][tp][m][K]:
-//   main stream : fork the side stream; x -> A[.., r, ..] (local copy; skipped when the GEMM
-//                 reads its own rows straight from x, the default where a shard is a whole
-//                 number of tiles) and its flag;
+//   main stream : fork the side stream; x -> A[.., r, ..] (local copy; skipped with local_read,
+//                 where the GEMM reads its own rows straight from x) and its flag;
 //   side stream : per chunk c of x: copy-engine copy into the same rows of
 //                 every peer's A, each followed by a flag write (cuStreamWriteValue64, no SM
 //                 needed) ready[this device] = e*kMaxChunks + c + 1 on that peer;
 //   main stream : one persistent GEMM over A that starts on rank r's rows and waits, per output
-//                 tile, for the flags of the chunks its rows come from (ag_gemm_scheduler_sm90).
+//                 tile, for the flags of the chunks its rows come from
+//                 (fused_tile_scheduler_sm90.cuh).
 //                 Then, when x_full is requested, A (and x, for the own rows) -> x_full, and
 //                 a join with the side stream (the pushes read x, which XLA may reuse once
 //                 the call is over).
@@ -23,18 +23,14 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <limits>
-#include <mutex>
-#include <optional>
 #include <string>
-#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/ffi/errors.h"
-#include "xla_ffi/ffi/gemm_wait.h"
 #include "xla_ffi/ffi/group.h"
+#include "xla_ffi/ffi/group_call.h"
+#include "xla_ffi/ffi/tile_wait_setup.h"
 #include "xla_ffi/kernels/ag_gemm_sm90.h"
 #include "xla_ffi/runtime/runtime.h"
 #include "xla_ffi/runtime/signals.h"
@@ -45,23 +41,11 @@ namespace ffi = xla::ffi;
 namespace jaxflux {
 namespace {
 
-constexpr int kChunkRowAlign = 128;                    // the GEMM's tile height
-
 constexpr char kOp[] = "all_gather_matmul";
 
-ffi::Error Fail(const std::string& what) { return OpError(kOp, what); }
+static_assert(kTileWaitMaxChunks == kMaxChunks, "the kernel's chunk_ends hold one shard's chunks");
 
-// Where the GEMM reads this rank's own rows (JAXFLUX_AG_GEMM_LOCAL, a measurement knob):
-// "direct" (default) straight from x wherever a shard is a whole number of tile rows
-// (AgGemmProblem::a_local), so nothing is copied before the GEMM; "copy" always copies x into
-// the gathered buffer first (the earlier design, and the fallback for other shard sizes).
-bool LocalDirectAllowed() {
-  static const bool allowed = [] {
-    const char* env = std::getenv("JAXFLUX_AG_GEMM_LOCAL");
-    return env == nullptr || std::string(env) != "copy";
-  }();
-  return allowed;
-}
+ffi::Error Fail(const std::string& what) { return OpError(kOp, what); }
 
 #define JAXFLUX_CUDA(call) JAXFLUX_RETURN_IF_CUDA_ERROR(kOp, call)
 
@@ -71,8 +55,8 @@ struct Shapes {
   bool w_kmajor = false;  // w holds the weight transposed, [N, K] (transpose_w)
 };
 
-ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank_info,
-                       ffi::AnyBuffer y, int64_t tp, int64_t transpose_w, Shapes* s) {
+ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer y, int64_t tp,
+                       int64_t transpose_w, Shapes* s) {
   const auto dt = x.element_type();
   if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) {
     return ffi::Error::InvalidArgument("jaxflux all_gather_matmul: x must be bfloat16 or float16");
@@ -103,8 +87,7 @@ ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32>
                                        "8 (16-byte rows for TMA)");
   }
   if (tp < 2 || tp > kAgGemmMaxRanks) {
-    return ffi::Error::InvalidArgument("jaxflux all_gather_matmul: tp must be in 2.." +
-                                       std::to_string(kAgGemmMaxRanks));
+    return InvalidAttr(kOp, "tp", tp, "must be in 2.." + std::to_string(kAgGemmMaxRanks));
   }
   const size_t rows = s->batch * s->m * static_cast<size_t>(tp);
   if (rows > static_cast<size_t>(std::numeric_limits<int>::max()) ||
@@ -114,11 +97,23 @@ ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32>
   if (y.element_count() != rows * s->n) {
     return ffi::Error::InvalidArgument("jaxflux all_gather_matmul: y must be [..., tp*m, N]");
   }
-  if (const auto n = static_cast<int64_t>(rank_info.element_count()); n != 2 && n != 2 + tp) {
-    return ffi::Error::InvalidArgument("jaxflux all_gather_matmul: rank_info must hold 2 (or "
-                                       "2 + tp) int32s");
-  }
   return ffi::Error::Success();
+}
+
+// The kernel choices, as the attributes give them (chosen by jaxflux/tuning).
+ffi::Error CheckChoices(const Shapes& s, int64_t transpose_w, int64_t tile, int64_t swizzle,
+                        int64_t local_read, int64_t grid_sms) {
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "transpose_w", transpose_w, {0, 1}));
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "tile", tile, {0, 1}));
+  JAXFLUX_RETURN_IF_ERROR(CheckSwizzle(kOp, "swizzle", swizzle));
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "local_read", local_read, {0, 1}));
+  if (local_read == 1 && s.m % kAgGemmTileRows != 0) {
+    return InvalidAttr(kOp, "local_read", local_read,
+                       "needs the shard's rows m to be a multiple of " +
+                           std::to_string(kAgGemmTileRows) + " (m=" + std::to_string(s.m) +
+                           "); pass local_read=0");
+  }
+  return CheckGridSms(kOp, grid_sms);
 }
 
 // Rows per chunk of a shard: one chunk per shard for batched x (a batch entry's rows are not
@@ -128,7 +123,7 @@ size_t ChunkRows(const Shapes& s) {
   const size_t bytes = s.m * s.k * s.elem;
   const size_t pieces = std::clamp<size_t>(bytes / kChunkTargetBytes, 1, kMaxChunks);
   size_t rows = (s.m + pieces - 1) / pieces;
-  rows = (rows + kChunkRowAlign - 1) / kChunkRowAlign * kChunkRowAlign;
+  rows = (rows + kAgGemmTileRows - 1) / kAgGemmTileRows * kAgGemmTileRows;
   return std::min(rows, s.m);
 }
 
@@ -136,16 +131,11 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
                   RankState* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
                   ffi::Buffer<ffi::S32> rank_info, ffi::Result<ffi::AnyBuffer> y,
                   ffi::RemainingRets extra, int64_t tp, int64_t num_groups, int64_t site,
-                  int64_t generation, int64_t debug_skip_rank, int64_t config,
-                  int64_t transpose_w) {
+                  int64_t generation, int64_t debug_skip_rank, int64_t transpose_w, int64_t tile,
+                  int64_t swizzle, int64_t local_read, int64_t grid_sms) {
   Shapes s;
-  if (ffi::Error e = CheckInputs(x, w, rank_info, *y, tp, transpose_w, &s); e.failure()) {
-    return e;
-  }
-  if (config >= kAgGemmNumConfigs) {
-    return ffi::Error::InvalidArgument("jaxflux all_gather_matmul: config must be -1 (choose) or "
-                                       "0.." + std::to_string(kAgGemmNumConfigs - 1));
-  }
+  JAXFLUX_RETURN_IF_ERROR(CheckInputs(x, w, *y, tp, transpose_w, &s));
+  JAXFLUX_RETURN_IF_ERROR(CheckChoices(s, transpose_w, tile, swizzle, local_read, grid_sms));
   void* x_full = nullptr;
   if (extra.size() > 0) {
     auto ret = extra.get<ffi::AnyBuffer>(0);
@@ -155,41 +145,17 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     }
     x_full = (*ret)->untyped_data();
   }
-  GroupInfo g;
-  if (ffi::Error e = ResolveGroup("all_gather_matmul", stream, ordinal, state,
-                                  rank_info, site, tp, num_groups, &g);
-      e.failure()) {
-    return e;
-  }
-  // A device error recorded since the last call fails this call, but only after it has taken
-  // part in the protocol, so that epochs stay aligned across the group.
-  std::optional<std::string> pending = TakeDeviceErrorMessage();
-
-  const int rank = g.rank;
   const size_t shard_bytes = x.size_bytes();
-  const size_t half = WorkspaceBytes(generation) / 2;
-  char* my_arena = WorkspaceArena(generation, g.slot);
-  if (my_arena == nullptr || shard_bytes * static_cast<size_t>(tp) > half || half % 256 != 0) {
-    return Fail("workspace generation " + std::to_string(generation) + " has no room for " +
-                std::to_string(tp) + " shards of " + std::to_string(shard_bytes) +
-                " bytes on GPU " + std::to_string(ordinal) +
-                " (the op must be traced through jaxflux, which sizes it)");
-  }
-  DeviceGuard guard(ordinal);
-  JAXFLUX_CUDA(guard.status());
-  GroupResources group;
-  if (ffi::Error e = GetGroupResources("all_gather_matmul", generation, g, true, &group);
-      e.failure()) {
-    return e;
-  }
-  DeviceResources* res = group.self;
-  std::lock_guard<std::mutex> device_lock(res->mu);
-  const auto& peer_arena = group.arenas;
-  const auto& peer_res = group.ranks;
+  GroupCall call(kOp, stream, ordinal);
+  JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
+                                     {tp, num_groups, site, generation, debug_skip_rank},
+                                     shard_bytes * static_cast<size_t>(tp)));
+  const GroupInfo& g = call.group();
+  const int rank = g.rank;
+  DeviceResources* res = call.self();
   std::string failed;
 
-  const uint64_t epoch = NextEpoch(g.channel, g.slot);
-  const size_t parity_offset = (epoch & 1) * half;
+  const uint64_t epoch = call.epoch();
   const uint64_t base = epoch * kMaxChunks;
   const size_t chunk_rows = ChunkRows(s);
   const size_t num_chunks = (s.m + chunk_rows - 1) / chunk_rows;
@@ -197,67 +163,58 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   const size_t entry_bytes = s.m * row_bytes;              // one batch entry of one shard
   const size_t a_pitch = entry_bytes * static_cast<size_t>(tp);  // one batch entry of A
   const char* x_base = static_cast<const char*>(x.untyped_data());
-  const size_t flag_index = static_cast<size_t>(g.channel) * kMaxDevices;
+  char* a = call.ArenaOf(rank);  // A: this device's receive half
 
   AgGemmProblem problem{};
-  problem.gemm = GemmProblem{my_arena + parity_offset, w.untyped_data(), y->untyped_data(),
+  problem.gemm = GemmProblem{a, w.untyped_data(), y->untyped_data(),
                              static_cast<int>(s.batch * s.m * tp), static_cast<int>(s.n),
                              static_cast<int>(s.k), ordinal};
   problem.gemm.b_kmajor = s.w_kmajor;
+  problem.gemm.swizzle = static_cast<int>(swizzle);
+  problem.gemm.grid_sms = static_cast<int>(grid_sms);
   problem.wait_for_flags = 1;
-  problem.config = config >= 0 ? static_cast<AgGemmConfig>(config)
-                               : ChooseAgGemmConfig(problem.gemm);
-  // The GEMM reads its own rows straight from x when a shard is a whole number of tiles (no tile
-  // then mixes x's rows with a peer's); else x is copied into its rows of A first.
-  const bool local_direct =
-      LocalDirectAllowed() && s.m % static_cast<size_t>(AgGemmTileRows(problem.config)) == 0;
+  problem.config = static_cast<AgGemmConfig>(tile);
+  // local_read: the GEMM reads its own rows straight from x (a shard is a whole number of tile
+  // rows, so no tile mixes x's rows with a peer's); else x is copied into its rows of A first.
+  const bool local_direct = local_read == 1;
   if (local_direct) problem.a_local = x_base;
 
-  JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
-  JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
-  // Without local_direct the local shard goes into A on the main stream, before the GEMM. Not on
+  JAXFLUX_RETURN_IF_ERROR(call.ForkSide());
+  // Without local_read the local shard goes into A on the main stream, before the GEMM. Not on
   // the side stream: a copy within one device runs as a kernel, which needs an SM, and the GEMM
-  // holds every SM while it waits for that copy (measured on 2xH200: the wait timed out, even
-  // with the driver asked to prefer a copy engine). It costs one serial read and write of the
-  // shard, which local_direct saves.
+  // holds every SM while it waits for that copy.
   if (!local_direct) {
     for (size_t b = 0; b < s.batch; ++b) {
-      JAXFLUX_CUDA(cudaMemcpyAsync(my_arena + parity_offset + b * a_pitch + rank * entry_bytes,
-                                   x_base + b * entry_bytes, entry_bytes,
-                                   cudaMemcpyDeviceToDevice, stream));
+      JAXFLUX_CUDA(cudaMemcpyAsync(a + b * a_pitch + rank * entry_bytes, x_base + b * entry_bytes,
+                                   entry_bytes, cudaMemcpyDeviceToDevice, stream));
     }
   }
   // Own rows ready (either way): the GEMM's waits treat every source alike.
-  if (!WriteFlag(stream, res->ready_flags + flag_index + g.slot, base + num_chunks, &failed)) {
-    return Fail(failed);
-  }
+  if (!WriteFlag(stream, call.FlagFrom(rank), base + num_chunks, &failed)) return Fail(failed);
 
   // Side stream: every chunk of x into this rank's rows of A on every peer (P2P copies run on
   // the copy engines), each followed by its flag on that peer. Forked before the local copy,
   // which it does not need.
-  const bool skip = debug_skip_rank == rank;  // test hook: this rank never signals its peers
   for (size_t c = 0; c < num_chunks; ++c) {
     const size_t row0 = c * chunk_rows;
     const size_t rows = std::min(chunk_rows, s.m - row0);
     for (int i = 1; i < tp; ++i) {
       const int p = (rank + i) % tp;  // rotated so ranks start on different peers
-      char* dst = peer_arena[p] + parity_offset + static_cast<size_t>(rank) * entry_bytes +
-                  row0 * row_bytes;
+      char* dst = call.ArenaOf(p) + static_cast<size_t>(rank) * entry_bytes + row0 * row_bytes;
       for (size_t b = 0; b < s.batch; ++b) {
         JAXFLUX_CUDA(cudaMemcpyAsync(dst + b * a_pitch,
                                      x_base + b * entry_bytes + row0 * row_bytes,
                                      rows * row_bytes, cudaMemcpyDefault, res->side));
       }
-      if (skip) continue;
-      uint64_t* flag = peer_res[p]->ready_flags + flag_index + g.slot;
-      if (!WriteFlag(res->side, flag, base + c + 1, &failed)) return Fail(failed);
+      if (call.skip_signals()) continue;
+      if (!WriteFlag(res->side, call.FlagOn(p), base + c + 1, &failed)) return Fail(failed);
     }
   }
 
   // Main stream: the GEMM, waiting on the flags per tile.
-  AgGemmWait& wait = problem.wait;
-  wait = WaitOfThisRank(g, ordinal, epoch, rank_info.typed_data());
-  for (int p = 0; p < tp; ++p) wait.flags[p] = res->ready_flags + flag_index + g.peers[p];
+  TileWait& wait = problem.wait;
+  wait = TileWaitOfThisRank(g, ordinal, epoch, rank_info.typed_data());
+  for (int p = 0; p < tp; ++p) wait.flags[p] = call.FlagFrom(p);
   wait.flag_base = base;
   wait.rows_per_shard = static_cast<int>(s.m);
   std::array<size_t, kMaxChunks> chunk_ends{};
@@ -278,14 +235,12 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   JAXFLUX_CUDA(cudaGetLastError());
   if (x_full != nullptr && !local_direct) {
     // Every chunk has landed once the GEMM is done: A is x_full, in x_full's layout.
-    JAXFLUX_CUDA(cudaMemcpyAsync(x_full, my_arena + parity_offset,
-                                 shard_bytes * static_cast<size_t>(tp), cudaMemcpyDeviceToDevice,
-                                 stream));
+    JAXFLUX_CUDA(cudaMemcpyAsync(x_full, a, shard_bytes * static_cast<size_t>(tp),
+                                 cudaMemcpyDeviceToDevice, stream));
   } else if (x_full != nullptr) {
     // A holds the peers' rows only: per batch entry, the ranks before this one and after it
     // from A, this rank's own from x (the same bytes as one copy of A).
     char* dst = static_cast<char*>(x_full);
-    const char* a = my_arena + parity_offset;
     const size_t before = static_cast<size_t>(rank) * entry_bytes;
     const size_t after = static_cast<size_t>(tp - 1 - rank) * entry_bytes;
     for (size_t b = 0; b < s.batch; ++b) {
@@ -301,57 +256,37 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
       }
     }
   }
-  JAXFLUX_CUDA(cudaEventRecord(res->join, res->side));
-  JAXFLUX_CUDA(cudaStreamWaitEvent(stream, res->join, 0));
-
-  if (DebugEnabled()) {
-    std::fprintf(stderr, "[jaxflux] GPU %d rank %d channel %d: all_gather_matmul epoch %llu, "
-                 "M=%d N=%zu K=%zu, %zu chunks of %zu rows\n", ordinal, rank, g.channel,
-                 static_cast<unsigned long long>(epoch), problem.gemm.m, s.n, s.k, num_chunks,
-                 chunk_rows);
-  }
-  if (SyncErrors()) {
-    JAXFLUX_CUDA(cudaStreamSynchronize(stream));
-    if (!pending) pending = TakeDeviceErrorMessage();
-  }
-  if (pending) return ffi::Error::Internal(*pending);
-  return ffi::Error::Success();
-}
-
-ffi::Error AgGemmSiteCached(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator scratch,
-                            ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank_info,
-                            ffi::Result<ffi::AnyBuffer> y, ffi::RemainingRets extra, int64_t tp,
-                            int64_t num_groups, int64_t site, int64_t generation,
-                            int64_t debug_skip_rank, int64_t config, int64_t transpose_w) {
-  return AgGemm(stream, ordinal, std::move(scratch), nullptr, x, w, rank_info, y, extra, tp,
-                num_groups, site, generation, debug_skip_rank, config, transpose_w);
+  JAXFLUX_RETURN_IF_ERROR(call.JoinSide());
+  return call.Finish([&] {
+    return StrFormat("M=%d N=%zu K=%zu, %zu chunks of %zu rows, tile %lld, swizzle %lld, "
+                     "local_read %lld", problem.gemm.m, s.n, s.k, num_chunks, chunk_rows,
+                     static_cast<long long>(tile), static_cast<long long>(swizzle),
+                     static_cast<long long>(local_read));
+  });
 }
 
 }  // namespace
 }  // namespace jaxflux
 
-#define JAXFLUX_AG_GEMM_BINDING(...)                                                   \
-  xla::ffi::Ffi::Bind()                                                                \
-      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>() /* XLA's stream */                \
-      .Ctx<xla::ffi::DeviceOrdinal>()                /* CUDA ordinal */                \
-      .Ctx<xla::ffi::ScratchAllocator>()             /* CUTLASS scratch, if any */     \
-      __VA_ARGS__                                                                      \
-      .Arg<xla::ffi::AnyBuffer>()                    /* x: local shard [..., m, K] */  \
-      .Arg<xla::ffi::AnyBuffer>()                    /* w: [K, N] or [N, K] */         \
-      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        /* rank_info */                   \
-      .Ret<xla::ffi::AnyBuffer>()                    /* y: [..., tp*m, N] */           \
-      .RemainingRets()                               /* optional x_full */             \
-      .Attr<int64_t>("tp")                                                             \
-      .Attr<int64_t>("num_groups")                                                     \
-      .Attr<int64_t>("site")                                                           \
-      .Attr<int64_t>("generation")                                                     \
-      .Attr<int64_t>("debug_skip_rank")                                                \
-      .Attr<int64_t>("config")      /* AgGemmConfig, -1: ChooseAgGemmConfig */         \
-      .Attr<int64_t>("transpose_w") /* 1: w is [N, K], the weight transposed */
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxAgGemmExecute, jaxflux::AgGemm,
-                              JAXFLUX_AG_GEMM_BINDING(
-                                  .Ctx<xla::ffi::State<jaxflux::RankState>>()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxAgGemmSiteCached, jaxflux::AgGemmSiteCached,
-                              JAXFLUX_AG_GEMM_BINDING());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxfluxAgGemmExecute, jaxflux::AgGemm,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
+        .Ctx<xla::ffi::DeviceOrdinal>()                 // CUDA ordinal
+        .Ctx<xla::ffi::ScratchAllocator>()              // CUTLASS scratch, if any
+        .Ctx<xla::ffi::State<jaxflux::RankState>>()     // ranks found by this instance
+        .Arg<xla::ffi::AnyBuffer>()                     // x: local shard [..., m, K]
+        .Arg<xla::ffi::AnyBuffer>()                     // w: [K, N] or [N, K]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank_info
+        .Ret<xla::ffi::AnyBuffer>()                     // y: [..., tp*m, N]
+        .RemainingRets()                                // optional x_full
+        .Attr<int64_t>("tp")
+        .Attr<int64_t>("num_groups")
+        .Attr<int64_t>("site")
+        .Attr<int64_t>("generation")
+        .Attr<int64_t>("debug_skip_rank")
+        .Attr<int64_t>("transpose_w")  // 1: w is [N, K], the weight transposed
+        .Attr<int64_t>("tile")         // AgGemmConfig
+        .Attr<int64_t>("swizzle")      // 1, 2, 4 or 8
+        .Attr<int64_t>("local_read")   // 1: own rows straight from x (m % 128 == 0)
+        .Attr<int64_t>("grid_sms"));   // 0: all SMs

@@ -8,25 +8,21 @@
 //   main stream : one kernel (LaunchGather): x -> out[r], then for each chunk c, each peer p:
 //                 bounded wait on the local ready[p] >= e*K+c+1, SM copy slot [e%2][p] -> out[p]
 //   main waits for side (join) before the handler returns.
-// Per call and device that is 2 events, one kernel, and chunks x (tp-1) copies and flag writes:
-// the earlier version's one release kernel per chunk and wait + copy kernels per chunk and peer
-// cost ~0.12 ms a call with no data moved (docs/runtime.md).
+// Per call and device that is 2 events, one kernel, and chunks x (tp-1) copies and flag writes.
 // Why two parities suffice without a "consumed" flag is argued in docs/runtime.md.
 #include "xla_ffi/ffi/all_gather.h"
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <array>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/ffi/errors.h"
 #include "xla_ffi/ffi/group.h"
+#include "xla_ffi/ffi/group_call.h"
 #include "xla_ffi/kernels/signal_kernels.h"
 #include "xla_ffi/runtime/runtime.h"
 #include "xla_ffi/runtime/signals.h"
@@ -50,40 +46,10 @@ struct Chunk {
   size_t row0, rows, col0, cols;
 };
 
-// Upper bound on chunks per shard: kMaxChunks, or fewer via JAXFLUX_AG_MAX_CHUNKS (an experiment
-// knob: pipelining pays off for the fused GEMM, while a bare all-gather may prefer fewer launches).
-size_t MaxChunks() {
-  static const size_t value = [] {
-    const char* env = std::getenv("JAXFLUX_AG_MAX_CHUNKS");
-    const long n = env ? std::strtol(env, nullptr, 10) : kMaxChunks;
-    return static_cast<size_t>(std::clamp<long>(n, 1, kMaxChunks));
-  }();
-  return value;
-}
-
-// Measurement knob, JAXFLUX_AG_ABLATE=push,local,recv: skip those stages (the flags still move,
-// so nothing hangs, but the output is WRONG). Timing a run with a stage left out and taking the
-// difference places the time without a profiler (the GPU machine has no nsys).
-struct Ablation {
-  bool push = false, local = false, recv = false;
-};
-const Ablation& Ablate() {
-  static const Ablation value = [] {
-    Ablation a;
-    const char* env = std::getenv("JAXFLUX_AG_ABLATE");
-    const std::string s = env ? env : "";
-    a.push = s.find("push") != std::string::npos;
-    a.local = s.find("local") != std::string::npos;
-    a.recv = s.find("recv") != std::string::npos;
-    return a;
-  }();
-  return value;
-}
-
-// Splits [rows x row_bytes] into at most MaxChunks() 2D pieces of about kChunkTargetBytes.
+// Splits [rows x row_bytes] into at most kMaxChunks 2D pieces of about kChunkTargetBytes.
 int MakeChunks(size_t rows, size_t row_bytes, std::array<Chunk, kMaxChunks>* chunks) {
   const size_t total = rows * row_bytes;
-  size_t k = std::clamp<size_t>(total / kChunkTargetBytes, 1, MaxChunks());
+  size_t k = std::clamp<size_t>(total / kChunkTargetBytes, 1, kMaxChunks);
   if (rows == 1) {
     // Split the single row in 256-byte aligned column pieces.
     size_t piece = (row_bytes / k + 255) / 256 * 256;
@@ -97,7 +63,9 @@ int MakeChunks(size_t rows, size_t row_bytes, std::array<Chunk, kMaxChunks>* chu
   k = std::min(k, rows);
   const size_t per = (rows + k - 1) / k;
   int n = 0;
-  for (size_t r = 0; r < rows; r += per) (*chunks)[n++] = Chunk{r, std::min(per, rows - r), 0, row_bytes};
+  for (size_t r = 0; r < rows; r += per) {
+    (*chunks)[n++] = Chunk{r, std::min(per, rows - r), 0, row_bytes};
+  }
   return n;
 }
 
@@ -108,14 +76,35 @@ cudaError_t Copy2D(char* dst, size_t dst_pitch, const char* src, size_t src_pitc
                            cudaMemcpyDefault, stream);
 }
 
-ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
-                         ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_info,
-                         ffi::Result<ffi::AnyBuffer> out, int64_t generation,
-                         int64_t debug_skip_rank) {
-  // A device error recorded since the last call (e.g. a timeout) fails this call, but only after
-  // it has taken part in the protocol, so that epochs stay aligned across the group.
-  std::optional<std::string> pending = TakeDeviceErrorMessage();
+ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int64_t tp) {
+  const auto dims = x.dimensions();
+  if (dims.size() < 2) {
+    return ffi::Error::InvalidArgument("jaxflux all_gather: x must have rank >= 2, got rank " +
+                                       std::to_string(dims.size()));
+  }
+  if (ffi::ByteWidth(x.element_type()) == 0 || x.element_type() == ffi::DataType::PRED) {
+    return ffi::Error::InvalidArgument("jaxflux all_gather: unsupported element type");
+  }
+  if (tp < 2 || tp > kMaxRanks) {
+    return InvalidAttr(kOp, "tp", tp, "must be in 2.." + std::to_string(kMaxRanks));
+  }
+  if (out->element_type() != x.element_type() ||
+      out->size_bytes() != x.size_bytes() * static_cast<size_t>(tp)) {
+    return ffi::Error::InvalidArgument("jaxflux all_gather: out must be x's dtype and tp times "
+                                       "its size");
+  }
+  return ffi::Error::Success();
+}
 
+ffi::ErrorOr<std::unique_ptr<RankState>> RankStateInstantiate() {
+  return std::make_unique<RankState>();
+}
+
+ffi::Error AllGather(cudaStream_t stream, int32_t ordinal, RankState* state, ffi::AnyBuffer x,
+                     ffi::Buffer<ffi::S32> rank_info, ffi::Result<ffi::AnyBuffer> out,
+                     int64_t tp, int64_t num_groups, int64_t site, int64_t generation,
+                     int64_t debug_skip_rank) {
+  JAXFLUX_RETURN_IF_ERROR(CheckInputs(x, out, tp));
   const auto dims = x.dimensions();
   const size_t elem = ffi::ByteWidth(x.element_type());
   const size_t m = static_cast<size_t>(dims[dims.size() - 2]);
@@ -123,81 +112,55 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
   const size_t row_bytes = m * k * elem;  // one batch entry of the shard
   const size_t rows = row_bytes == 0 ? 0 : x.size_bytes() / row_bytes;
   const size_t shard_bytes = x.size_bytes();
-  const int tp = g.tp;
-  const int rank = g.rank;
-
-  // Receive slots: arena = [parity][source rank][slot_bytes]; parity halves start at `half`.
+  // Receive slots: arena half = [source rank][slot_bytes].
   const size_t slot_bytes = (shard_bytes + 255) / 256 * 256;
-  const size_t half = WorkspaceBytes(generation) / 2;
-  if (shard_bytes > 0 && (WorkspaceArena(generation, g.slot) == nullptr ||
-                          slot_bytes * static_cast<size_t>(tp) > half)) {
-    return ffi::Error::Internal(
-        "jaxflux all_gather: workspace generation " + std::to_string(generation) +
-        " has no room for " + std::to_string(tp) + " receive slots of a " +
-        std::to_string(shard_bytes) + "-byte shard on GPU " + std::to_string(ordinal) +
-        " (the op must be traced through jaxflux, which sizes it)");
-  }
-  DeviceGuard guard(ordinal);
-  JAXFLUX_CUDA(guard.status());
-  GroupResources group;
-  if (ffi::Error e = GetGroupResources("all_gather", generation, g, shard_bytes > 0, &group);
-      e.failure()) {
-    return e;
-  }
-  DeviceResources* res = group.self;
-  std::lock_guard<std::mutex> device_lock(res->mu);
-  const auto& peer_arena = group.arenas;
-  const auto& peer_res = group.ranks;
+
+  GroupCall call(kOp, stream, ordinal);
+  JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
+                                     {tp, num_groups, site, generation, debug_skip_rank},
+                                     slot_bytes * static_cast<size_t>(tp)));
+  const GroupInfo& g = call.group();
+  const int rank = g.rank;
+  DeviceResources* res = call.self();
 
   std::array<Chunk, kMaxChunks> chunks;
   const int num_chunks = rows == 0 ? 0 : MakeChunks(rows, row_bytes, &chunks);
-  const uint64_t epoch = NextEpoch(g.channel, g.slot);
-  const size_t slot_base = (epoch & 1) * half;
+  const uint64_t epoch = call.epoch();
   const uint64_t base = epoch * kMaxChunks;  // flag value of chunk c at this epoch: base + c + 1
-  const uint64_t timeout_ns = TimeoutNs();
-  DeviceErrorRecord* err_rec = DeviceErrorRecordPtr();
   const size_t out_pitch = row_bytes * tp;
   char* out_base = static_cast<char*>(out->untyped_data());
   const char* x_base = static_cast<const char*>(x.untyped_data());
-  char* my_arena = WorkspaceArena(generation, g.slot);
   // The gather grid spins while chunks are on the link: it takes at most half the SMs, one
-  // block each, so that whatever else this device must run meanwhile finds whole SMs free (a
-  // spinning grid with a block on every SM hung once, docs/runtime.md).
+  // block each, so that whatever else this device must run meanwhile finds whole SMs free.
   const int max_blocks = std::max(res->sm_count / 2, 1);
 
-  JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
-  JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
+  JAXFLUX_RETURN_IF_ERROR(call.ForkSide());
 
   // Side stream: push x chunk by chunk into every peer's receive slot [parity][rank] (P2P
   // copy-engine writes straight from XLA's input buffer), then write the chunk's flag in every
   // peer's ready array.
-  const bool skip = debug_skip_rank == rank;  // test hook: this rank never signals
-  const Ablation& ablate = Ablate();
   std::string failed;
   auto release = [&](uint64_t value) {
-    for (int i = 1; i < tp && !skip; ++i) {
+    for (int i = 1; i < tp && !call.skip_signals(); ++i) {
       const int p = (rank + i) % tp;
-      uint64_t* flag =
-          peer_res[p]->ready_flags + static_cast<size_t>(g.channel) * kMaxDevices + g.slot;
-      if (!WriteFlag(res->side, flag, value, &failed)) return false;
+      if (!WriteFlag(res->side, call.FlagOn(p), value, &failed)) return false;
     }
     return true;
   };
   for (int c = 0; c < num_chunks; ++c) {
-    for (int i = 1; i < tp && !ablate.push; ++i) {
+    for (int i = 1; i < tp; ++i) {
       const int p = (rank + i) % tp;  // rotated so ranks start on different peers
-      JAXFLUX_CUDA(Copy2D(peer_arena[p] + slot_base + rank * slot_bytes, row_bytes, x_base,
-                          row_bytes, chunks[c], res->side));
+      JAXFLUX_CUDA(Copy2D(call.ArenaOf(p) + rank * slot_bytes, row_bytes, x_base, row_bytes,
+                          chunks[c], res->side));
     }
-    if (!release(base + c + 1)) return ffi::Error::Internal("jaxflux all_gather: " + failed);
+    if (!release(base + c + 1)) return OpError(kOp, failed);
   }
   if (num_chunks == 0 && !release(base + kMaxChunks)) {  // empty shard: keep the flags moving
-    return ffi::Error::Internal("jaxflux all_gather: " + failed);
+    return OpError(kOp, failed);
   }
 
   // Main stream: one kernel copies the own shard x -> out[rank], then every peer's chunks from
   // the receive slots as they land (bounded waits on the local ready flags).
-  uint64_t* my_ready = res->ready_flags + static_cast<size_t>(g.channel) * kMaxDevices;
   GatherParams gather{};
   gather.dst_pitch = out_pitch;
   gather.src_pitch = row_bytes;
@@ -207,10 +170,10 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
   gather.device = ordinal;
   gather.op = static_cast<int32_t>(OpCode::kAllGather);
   gather.epoch = epoch;
-  gather.timeout_ns = timeout_ns;
-  gather.error = err_rec;
+  gather.timeout_ns = TimeoutNs();
+  gather.error = DeviceErrorRecordPtr();
   int n = 0;
-  if (shard_bytes > 0 && !ablate.local) {
+  if (shard_bytes > 0) {
     gather.segments[n++] = GatherSegment{x_base, out_base + rank * row_bytes, rows, row_bytes,
                                          nullptr, 0, rank};
   }
@@ -218,12 +181,12 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
     for (int i = 1; i < tp; ++i) {
       const int p = (rank + tp - i) % tp;  // the peer that pushes to us first
       GatherSegment& seg = gather.segments[n++];
-      seg = GatherSegment{nullptr, nullptr, 0, 0, my_ready + g.peers[p],
+      seg = GatherSegment{nullptr, nullptr, 0, 0, call.FlagFrom(p),
                           num_chunks == 0 ? base + kMaxChunks : base + c + 1, p};
-      if (num_chunks == 0 || ablate.recv) continue;  // wait only
+      if (num_chunks == 0) continue;  // wait only
       const Chunk& ch = chunks[c];
       seg.dst = out_base + p * row_bytes + ch.row0 * out_pitch + ch.col0;
-      seg.src = my_arena + slot_base + p * slot_bytes + ch.row0 * row_bytes + ch.col0;
+      seg.src = call.ArenaOf(rank) + p * slot_bytes + ch.row0 * row_bytes + ch.col0;
       seg.rows = ch.rows;
       seg.cols = ch.cols;
     }
@@ -231,98 +194,30 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int ordinal, const GroupInfo& g,
   gather.num_segments = n;
   JAXFLUX_CUDA(LaunchGather(gather, max_blocks, stream));
   // The push reads x: XLA's stream must not move on (and free or reuse x) before it is done.
-  JAXFLUX_CUDA(cudaEventRecord(res->join, res->side));
-  JAXFLUX_CUDA(cudaStreamWaitEvent(stream, res->join, 0));
-
-  if (DebugEnabled()) {
-    std::fprintf(stderr, "[jaxflux] GPU %d rank %d channel %d: all_gather epoch %llu, %zu bytes, "
-                 "%d chunks launched\n", ordinal, rank, g.channel,
-                 static_cast<unsigned long long>(epoch), shard_bytes, num_chunks);
-  }
-  if (SyncErrors()) {
-    JAXFLUX_CUDA(cudaStreamSynchronize(stream));
-    if (!pending) pending = TakeDeviceErrorMessage();
-  }
-  if (pending) return ffi::Error::Internal(*pending);
-  return ffi::Error::Success();
-}
-
-ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_info,
-                       ffi::Result<ffi::AnyBuffer> out, int64_t tp) {
-  const auto dims = x.dimensions();
-  if (dims.size() < 2) {
-    return ffi::Error::InvalidArgument("jaxflux all_gather: x must have rank >= 2, got rank " +
-                                       std::to_string(dims.size()));
-  }
-  if (ffi::ByteWidth(x.element_type()) == 0 || x.element_type() == ffi::DataType::PRED) {
-    return ffi::Error::InvalidArgument("jaxflux all_gather: unsupported element type");
-  }
-  if (out->element_type() != x.element_type() ||
-      out->size_bytes() != x.size_bytes() * static_cast<size_t>(tp)) {
-    return ffi::Error::InvalidArgument("jaxflux all_gather: out must be x's dtype and tp times "
-                                       "its size");
-  }
-  if (const auto n = static_cast<int64_t>(rank_info.element_count()); n != 2 && n != 2 + tp) {
-    return ffi::Error::InvalidArgument("jaxflux all_gather: rank_info must hold 2 (or 2 + tp) "
-                                       "int32s");
-  }
-  if (tp < 2 || tp > kMaxRanks) {
-    return ffi::Error::InvalidArgument("jaxflux all_gather: tp must be in 2.." +
-                                       std::to_string(kMaxRanks) + ", got " + std::to_string(tp));
-  }
-  return ffi::Error::Success();
-}
-
-ffi::ErrorOr<std::unique_ptr<RankState>> AllGatherInstantiate() {
-  return std::make_unique<RankState>();
-}
-
-ffi::Error AllGatherExecute(cudaStream_t stream, int32_t ordinal, RankState* state,
-                            ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_info,
-                            ffi::Result<ffi::AnyBuffer> out, int64_t tp, int64_t num_groups,
-                            int64_t site, int64_t generation, int64_t debug_skip_rank) {
-  if (ffi::Error e = CheckInputs(x, rank_info, out, tp); e.failure()) return e;
-  GroupInfo g;
-  if (ffi::Error e =
-          ResolveGroup("all_gather", stream, ordinal, state, rank_info, site, tp, num_groups, &g);
-      e.failure()) {
-    return e;
-  }
-  return AllGatherImpl(stream, ordinal, g, x, rank_info, out, generation, debug_skip_rank);
-}
-
-ffi::Error AllGatherSiteCached(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                               ffi::Buffer<ffi::S32> rank_info,
-                               ffi::Result<ffi::AnyBuffer> out, int64_t tp, int64_t num_groups,
-                               int64_t site, int64_t generation, int64_t debug_skip_rank) {
-  return AllGatherExecute(stream, ordinal, nullptr, x, rank_info, out, tp, num_groups, site,
-                          generation, debug_skip_rank);
+  JAXFLUX_RETURN_IF_ERROR(call.JoinSide());
+  return call.Finish([&] {
+    return StrFormat("%zu bytes, %d chunks launched", shard_bytes, num_chunks);
+  });
 }
 
 }  // namespace
 }  // namespace jaxflux
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxAllGatherInstantiate, jaxflux::AllGatherInstantiate,
+// The instantiate stage of all three group targets: the per-executable rank state.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxRankStateInstantiate, jaxflux::RankStateInstantiate,
                               xla::ffi::Ffi::BindInstantiate());
 
-// The stateful and the site-cached target differ only in the State context.
-#define JAXFLUX_ALL_GATHER_BINDING(...)                                                  \
-  xla::ffi::Ffi::Bind()                                                                  \
-      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>() /* XLA's stream for this device */  \
-      .Ctx<xla::ffi::DeviceOrdinal>()                /* CUDA ordinal of this device */   \
-      __VA_ARGS__                                                                        \
-      .Arg<xla::ffi::AnyBuffer>()             /* x: local shard [..., m, k] */           \
-      .Arg<xla::ffi::Buffer<xla::ffi::S32>>() /* rank_info: [axis_index, group] */       \
-      .Ret<xla::ffi::AnyBuffer>()             /* out: [..., tp*m, k] */                  \
-      .Attr<int64_t>("tp")                    /* group size */                           \
-      .Attr<int64_t>("num_groups")            /* groups over the other mesh axes */      \
-      .Attr<int64_t>("site")                  /* unique id of the traced call */         \
-      .Attr<int64_t>("generation")            /* workspace generation to use */          \
-      .Attr<int64_t>("debug_skip_rank")       /* test hook: rank that never signals */
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxAllGatherExecute, jaxflux::AllGatherExecute,
-                              JAXFLUX_ALL_GATHER_BINDING(
-                                  .Ctx<xla::ffi::State<jaxflux::RankState>>()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxAllGatherSiteCached, jaxflux::AllGatherSiteCached,
-                              JAXFLUX_ALL_GATHER_BINDING());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxfluxAllGatherExecute, jaxflux::AllGather,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this device
+        .Ctx<xla::ffi::DeviceOrdinal>()                 // CUDA ordinal of this device
+        .Ctx<xla::ffi::State<jaxflux::RankState>>()     // ranks found by this instance
+        .Arg<xla::ffi::AnyBuffer>()                     // x: local shard [..., m, k]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank_info: [axis_index, group]
+        .Ret<xla::ffi::AnyBuffer>()                     // out: [..., tp*m, k]
+        .Attr<int64_t>("tp")                            // group size
+        .Attr<int64_t>("num_groups")                    // groups over the other mesh axes
+        .Attr<int64_t>("site")                          // unique id of the traced call
+        .Attr<int64_t>("generation")                    // workspace generation to use
+        .Attr<int64_t>("debug_skip_rank"));             // test hook: rank that never signals

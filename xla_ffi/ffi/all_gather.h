@@ -1,15 +1,11 @@
-// FFI handlers of the copy-engine all-gather (tiled along axis -2). Plain header: module.cc
-// includes it to build the registrations.
-#ifndef JAXFLUX_XLA_FFI_FFI_ALL_GATHER_H_
-#define JAXFLUX_XLA_FFI_FFI_ALL_GATHER_H_
+// FFI handlers of the copy-engine all-gather (tiled along axis -2), and the instantiate stage
+// that every group target shares. Plain header: module.cc includes it to build the registrations.
+#pragma once
 
 #include "xla/ffi/api/api.h"
 #include "xla/ffi/api/c_api.h"
 
-// Stateful target: the instantiate stage creates the per-executable rank cache.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfluxAllGatherInstantiate);
+// Instantiate stage of jaxflux_all_gather, jaxflux_all_gather_matmul and
+// jaxflux_matmul_reduce_scatter: creates the per-executable rank state (jaxflux_rank_state).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfluxRankStateInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfluxAllGatherExecute);
-// Fallback target: rank cache keyed by (call site, device), verified on device every call.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfluxAllGatherSiteCached);
-
-#endif  // JAXFLUX_XLA_FFI_FFI_ALL_GATHER_H_

@@ -1,6 +1,11 @@
-// D[..., M, N] = A[..., M, K] · B[K, N] with the sm90 CUTLASS GEMM (xla_ffi/kernels/gemm_sm90.h),
-// and the fused kernels' GEMMs with communication off (GEMM-only modes, measurement).
-// Leading axes of A fold into M (row-major, so they are contiguous).
+// jaxflux_gemm: the GEMMs of the fused ops with communication off, D[..., M, N] = A[..., M, K] ·
+// B[K, N] (B [N, K] with transpose_w; leading axes of A fold into M). A benchmark feature: it
+// measures what fusion costs each GEMM against XLA's dot (cuBLAS).
+//   kernel 0: CUTLASS's persistent GEMM (the kernel GEMM+ReduceScatter runs for peers' rows);
+//   kernel 1: the AllGather+GEMM kernel with its waits off (one shard, no rotation);
+//   kernel 2: GEMM+ReduceScatter's own-rows kernel with its waits off, D = A·B + C.
+// The kernel's choices (tile, schedule, swizzle, grid) come as attributes, chosen by
+// jaxflux/tuning as for the fused ops.
 #include "xla_ffi/ffi/gemm.h"
 
 #include <cuda_runtime_api.h>
@@ -10,8 +15,9 @@
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/ffi/gemm_wait.h"
+#include "xla_ffi/ffi/errors.h"
 #include "xla_ffi/ffi/push_plan.h"
+#include "xla_ffi/ffi/tile_wait_setup.h"
 #include "xla_ffi/kernels/ag_gemm_sm90.h"
 #include "xla_ffi/kernels/gemm_sm90.h"
 #include "xla_ffi/kernels/rs_gemm_sm90.h"
@@ -21,12 +27,9 @@ namespace ffi = xla::ffi;
 namespace jaxflux {
 namespace {
 
-// tile_order 0: CUTLASS's persistent scheduler; 1: the fused AllGather+GEMM kernel itself with
-// its flag waits off (same tile order and rasterization); 2: the fused GEMM+ReduceScatter's GEMMs
-// with no pushes or reduction: `owners` launches, one per owner's block of M / owners rows of
-// every batch entry, the launches gemm_rs.cc makes (order aside). Modes 1 and 2 measure what
-// fusion costs the GEMM.
-constexpr int64_t kTileOrderCutlass = 0, kTileOrderAllGather = 1, kTileOrderPerOwner = 2;
+constexpr char kOp[] = "gemm";
+
+enum Kernel : int64_t { kCutlass = 0, kAllGatherMatmul = 1, kOwnRows = 2 };
 
 // The GEMM's operands: a [..., M, K] and b [K, N] (or [N, K] with b_kmajor; leading axes of a
 // fold into M), d [..., M, N], one dtype, bf16 or fp16. Sets m, n, k; *done when there is
@@ -99,116 +102,79 @@ ffi::Error AllocateWorkspace(ffi::ScratchAllocator& scratch, size_t bytes, void*
   return ffi::Error::Success();
 }
 
-ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
-                       ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d,
-                       int64_t tile_order, int64_t config, int64_t owners) {
-  int64_t m = 0, n = 0, k = 0;
-  bool done = false;
-  if (ffi::Error e = CheckOperands(stream, a, b, d, false, &m, &n, &k, &done);
-      e.failure() || done) {
-    return e;
-  }
-  const auto dtype = a.element_type();
-  const auto a_dims = a.dimensions();
-  if (tile_order < kTileOrderCutlass || tile_order > kTileOrderPerOwner) {
-    return ffi::Error::InvalidArgument("jaxflux gemm: unknown tile_order " +
-                                       std::to_string(tile_order));
-  }
-  const int64_t rows = a_dims[a_dims.size() - 2];  // M of one batch entry
-  if (tile_order == kTileOrderPerOwner && (owners < 1 || rows % owners)) {
-    return ffi::Error::InvalidArgument("jaxflux gemm: owners=" + std::to_string(owners) +
-                                       " must be >= 1 and divide M=" + std::to_string(rows));
-  }
-  const GemmDtype which = dtype == ffi::DataType::BF16 ? GemmDtype::kBF16 : GemmDtype::kF16;
-  GemmProblem problem{a.untyped_data(), b.untyped_data(), d->untyped_data(),
-                      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), device};
-  AgGemmProblem fused{};  // tile_order 1: one shard (no rotation), waits off
-  fused.gemm = problem;
-  fused.wait_for_flags = 0;
-  if (config >= kAgGemmNumConfigs) {
-    return ffi::Error::InvalidArgument("jaxflux gemm: config must be -1 (choose) or 0.." +
-                                       std::to_string(kAgGemmNumConfigs - 1));
-  }
-  fused.config = config >= 0 ? static_cast<AgGemmConfig>(config) : ChooseAgGemmConfig(problem);
-  fused.wait.tp = 1;
-  fused.wait.rows_per_shard = static_cast<int>(m);
-  fused.wait.chunk_ends[0] = static_cast<int>(m);  // one chunk (no waits anyway)
-  if (tile_order == kTileOrderPerOwner) {  // one owner's rows of every batch entry
-    problem.m = static_cast<int>(rows / owners);
-    problem.batch = static_cast<int>(m / rows);
-    problem.batch_stride_a = rows * k;
-    problem.batch_stride_d = rows * n;
-  }
-  const size_t bytes = tile_order == kTileOrderAllGather
-                           ? AgGemmSm90WorkspaceBytes(which, fused)
-                           : GemmSm90WorkspaceBytes(which, problem);
-  void* workspace = nullptr;
-  if (ffi::Error e = AllocateWorkspace(scratch, bytes, &workspace); e.failure()) return e;
-  const char* failure = nullptr;
-  if (tile_order == kTileOrderAllGather) {
-    failure = AgGemmSm90(which, fused, workspace, stream);
-  } else if (tile_order == kTileOrderCutlass) {
-    failure = GemmSm90(which, problem, workspace, stream);
-  } else {
-    const size_t elem = ffi::ByteWidth(dtype);
-    const char* a_base = static_cast<const char*>(a.untyped_data());
-    char* d_base = static_cast<char*>(d->untyped_data());
-    for (int64_t o = 0; o < owners && failure == nullptr; ++o) {
-      problem.a = a_base + static_cast<size_t>(o * problem.m * k) * elem;
-      problem.d = d_base + static_cast<size_t>(o * problem.m * n) * elem;
-      failure = GemmSm90(which, problem, workspace, stream);
-    }
-  }
-  return CheckLaunch(failure);
+ffi::Error CheckChoices(int64_t kernel, int64_t transpose_w, int64_t tile,
+                        int64_t own_rows_schedule, int64_t push_chunks, int64_t swizzle,
+                        int64_t grid_sms) {
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "kernel", kernel, {kCutlass, kAllGatherMatmul,
+                                                              kOwnRows}));
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "transpose_w", transpose_w, {0, 1}));
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "tile", tile, {0, 1}));
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "own_rows_schedule", own_rows_schedule, {0, 1}));
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "push_chunks", push_chunks, {0, 1}));
+  JAXFLUX_RETURN_IF_ERROR(CheckSwizzle(kOp, "swizzle", swizzle));
+  return CheckGridSms(kOp, grid_sms);
 }
 
-// The fused GEMM+ReduceScatter's own-rows kernel (rs_gemm_sm90.h) alone, communication off:
-// D = A·B + C with no peer and no waits, or D = A·B with with_c = 0 (beta 0: c is not read and
-// may be any array). with_c = 1 against 0 is what reading the peer's partial as C costs that
-// GEMM, apart from the pushes that run beside it in the fused op; chunked = 1 sweeps the tiles
-// along N as the fused op does when the partial lands in row chunks (PlanEvenChunks);
-// cutlass_scheduler = 1 runs the same GEMM and epilogue under CUTLASS's own scheduler instead;
-// pingpong = 1 the ping-pong 128x128 tiles instead of cooperative 128x256 (RsGemmProblem);
-// transpose_w = 1 takes b as [N, K] and reads it K-major, as the fused op does for the backward
-// of a column-parallel layer (fused scheduler only: RsGemmSm90 reports the other).
-ffi::Error GemmOwnRowsExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
-                              ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer c,
-                              ffi::Result<ffi::AnyBuffer> d, int64_t with_c, int64_t chunked,
-                              int64_t cutlass_scheduler, int64_t pingpong, int64_t transpose_w) {
+ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
+                       ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer c,
+                       ffi::Result<ffi::AnyBuffer> d, int64_t kernel, int64_t transpose_w,
+                       int64_t tile, int64_t own_rows_schedule, int64_t push_chunks,
+                       int64_t swizzle, int64_t grid_sms) {
+  JAXFLUX_RETURN_IF_ERROR(CheckChoices(kernel, transpose_w, tile, own_rows_schedule, push_chunks,
+                                       swizzle, grid_sms));
   int64_t m = 0, n = 0, k = 0;
   bool done = false;
-  if (ffi::Error e = CheckOperands(stream, a, b, d, transpose_w != 0, &m, &n, &k, &done);
+  if (ffi::Error e = CheckOperands(stream, a, b, d, transpose_w == 1, &m, &n, &k, &done);
       e.failure() || done) {
     return e;
   }
-  if (with_c != 0 &&
+  if (kernel == kOwnRows &&
       (c.element_type() != d->element_type() || c.element_count() != d->element_count())) {
-    return ffi::Error::InvalidArgument("jaxflux gemm own rows: c must be laid out like the "
-                                       "output [..., M, N], in its dtype");
+    return ffi::Error::InvalidArgument("jaxflux gemm: kernel 2 needs c laid out like the output "
+                                       "[..., M, N], in its dtype");
   }
-  const GemmDtype which =
+  const GemmDtype dtype =
       a.element_type() == ffi::DataType::BF16 ? GemmDtype::kBF16 : GemmDtype::kF16;
-  RsGemmProblem own{};
-  own.gemm = GemmProblem{a.untyped_data(), b.untyped_data(), d->untyped_data(),
-                         static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), device};
-  own.gemm.b_kmajor = transpose_w != 0;
-  own.c = with_c != 0 ? c.untyped_data() : nullptr;
-  own.wait_for_flags = 0;
-  own.cutlass_scheduler = cutlass_scheduler != 0 ? 1 : 0;
-  own.pingpong = pingpong != 0 ? 1 : 0;
-  own.wait.tp = 1;
-  own.wait.rows_per_shard = static_cast<int>(m);
-  own.wait.chunk_ends[0] = static_cast<int>(m);  // one chunk: CUTLASS's tile order
-  if (chunked != 0) {
-    const PushChunks chunks = PlanEvenChunks(static_cast<size_t>(m));
-    SetChunkEnds(&own.wait, chunks.ends, chunks.count);
-  }
+  GemmProblem problem{a.untyped_data(), b.untyped_data(), d->untyped_data(),
+                      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), device};
+  problem.b_kmajor = transpose_w == 1;
+  problem.swizzle = static_cast<int>(swizzle);
+  problem.grid_sms = static_cast<int>(grid_sms);
   void* workspace = nullptr;
-  if (ffi::Error e = AllocateWorkspace(scratch, RsGemmSm90WorkspaceBytes(which, own), &workspace);
-      e.failure()) {
-    return e;
+  const char* failure = nullptr;
+  if (kernel == kCutlass) {
+    JAXFLUX_RETURN_IF_ERROR(
+        AllocateWorkspace(scratch, GemmSm90WorkspaceBytes(dtype, problem), &workspace));
+    failure = GemmSm90(dtype, problem, workspace, stream);
+  } else if (kernel == kAllGatherMatmul) {  // one shard (no rotation), waits off
+    AgGemmProblem fused{};
+    fused.gemm = problem;
+    fused.wait_for_flags = 0;
+    fused.config = static_cast<AgGemmConfig>(tile);
+    fused.wait.tp = 1;
+    fused.wait.rows_per_shard = static_cast<int>(m);
+    fused.wait.chunk_ends[0] = static_cast<int>(m);  // one chunk (no waits anyway)
+    JAXFLUX_RETURN_IF_ERROR(
+        AllocateWorkspace(scratch, AgGemmSm90WorkspaceBytes(dtype, fused), &workspace));
+    failure = AgGemmSm90(dtype, fused, workspace, stream);
+  } else {  // kOwnRows: D = A·B + C, no peer and no waits
+    RsGemmProblem own{};
+    own.gemm = problem;
+    own.c = c.untyped_data();
+    own.wait_for_flags = 0;
+    own.pingpong = own_rows_schedule == 1 ? 1 : 0;
+    own.wait.tp = 1;
+    own.wait.rows_per_shard = static_cast<int>(m);
+    own.wait.chunk_ends[0] = static_cast<int>(m);  // one chunk: CUTLASS's tile order
+    if (push_chunks == 1) {  // the tiles swept along N, as when the partial lands in chunks
+      const PushChunks chunks = PlanEvenChunks(static_cast<size_t>(m));
+      SetChunkEnds(&own.wait, chunks.ends, chunks.count);
+    }
+    JAXFLUX_RETURN_IF_ERROR(
+        AllocateWorkspace(scratch, RsGemmSm90WorkspaceBytes(dtype, own), &workspace));
+    failure = RsGemmSm90(dtype, own, workspace, stream);
   }
-  return CheckLaunch(RsGemmSm90(which, own, workspace, stream));
+  return CheckLaunch(failure);
 }
 
 }  // namespace
@@ -221,24 +187,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<xla::ffi::DeviceOrdinal>()                 // CUDA ordinal (SM count for the grid)
         .Ctx<xla::ffi::ScratchAllocator>()              // CUTLASS workspace, if any
         .Arg<xla::ffi::AnyBuffer>()                     // a: [..., M, K]
-        .Arg<xla::ffi::AnyBuffer>()                     // b: [K, N]
-        .Ret<xla::ffi::AnyBuffer>()                     // d: [..., M, N]
-        .Attr<int64_t>("tile_order")                    // 0 CUTLASS's, 1 AG+GEMM's, 2 owners
-        .Attr<int64_t>("config")                        // tile_order 1: AgGemmConfig or -1
-        .Attr<int64_t>("owners"));                      // tile_order 2: row blocks (tp)
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxfluxGemmOwnRows, jaxflux::GemmOwnRowsExecute,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this device
-        .Ctx<xla::ffi::DeviceOrdinal>()                 // CUDA ordinal
-        .Ctx<xla::ffi::ScratchAllocator>()              // CUTLASS workspace, if any
-        .Arg<xla::ffi::AnyBuffer>()                     // a: [..., M, K]
         .Arg<xla::ffi::AnyBuffer>()                     // b: [K, N] ([N, K]: transpose_w)
-        .Arg<xla::ffi::AnyBuffer>()                     // c: [..., M, N] (with_c = 1)
+        .Arg<xla::ffi::AnyBuffer>()                     // c: [..., M, N] (kernel 2), else unused
         .Ret<xla::ffi::AnyBuffer>()                     // d: [..., M, N]
-        .Attr<int64_t>("with_c")                        // 1: D = A·B + C; 0: D = A·B
-        .Attr<int64_t>("chunked")                       // 1: tiles along N, as for chunks
-        .Attr<int64_t>("cutlass_scheduler")             // 1: CUTLASS's scheduler (probe)
-        .Attr<int64_t>("pingpong")                      // 1: ping-pong 128x128 tiles
-        .Attr<int64_t>("transpose_w"));                 // 1: b is [N, K], read K-major
+        .Attr<int64_t>("kernel")                        // 0 CUTLASS, 1 AG+GEMM, 2 own rows
+        .Attr<int64_t>("transpose_w")                   // 1: b is [N, K], read K-major
+        .Attr<int64_t>("tile")                          // kernel 1: AgGemmConfig
+        .Attr<int64_t>("own_rows_schedule")             // kernel 2: 0 cooperative, 1 ping-pong
+        .Attr<int64_t>("push_chunks")                   // kernel 2: 1 tiles along N, as chunked
+        .Attr<int64_t>("swizzle")                       // 1, 2, 4 or 8
+        .Attr<int64_t>("grid_sms"));                    // 0: all SMs

@@ -12,11 +12,12 @@
 //     kernel that waits (bounded) for every peer's flag and sums recv[0..tp) in rank order with
 //     fp32 accumulation into z; then a join with the side stream (stage[] must not be rewritten
 //     before its copy is done).
-//   At tp=2 the own-rows GEMM can do the reduction instead (rs_gemm_sm90.h): z = x_r · w +
-//     recv[p] in its epilogue, whose C loads wait (bounded) for the peer's flag while the
+//   At tp=2 the own-rows GEMM can do the reduction instead (reduce=1, rs_gemm_sm90.h): z = x_r · w
+//     + recv[p] in its epilogue, whose C loads wait (bounded) for the peer's flag while the
 //     mainloop runs; no reduction pass, and the own partial is never rounded to 16 bits on its
-//     own. EpilogueReduce (below) chooses it where measured faster; the `reduce` attribute and
-//     JAXFLUX_GEMM_RS_REDUCE=pass|epilogue force a mode.
+//     own. The peer's partial then goes in one push (push_chunks=0) or in row chunks, each
+//     flagged, so that the owner's first tiles wait for a part of it only (push_chunks=1).
+// Which mode, push, schedule and swizzles: chosen by jaxflux/tuning, passed as attributes.
 // Slot reuse: a peer writes recv[.][e%2] again at e+2 only after its own reduction of e+1, which
 // waited for our flag of e+1, released after our reduction of e had run on our stream (with the
 // epilogue reduction: after our own-rows GEMM of e, which precedes our push of e+1 in stream
@@ -26,21 +27,16 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <limits>
-#include <mutex>
-#include <optional>
 #include <string>
-#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/ffi/errors.h"
-#include "xla_ffi/ffi/gemm_wait.h"
 #include "xla_ffi/ffi/group.h"
+#include "xla_ffi/ffi/group_call.h"
 #include "xla_ffi/ffi/push_plan.h"
+#include "xla_ffi/ffi/tile_wait_setup.h"
 #include "xla_ffi/kernels/gemm_sm90.h"
 #include "xla_ffi/kernels/reduce_kernels.h"
 #include "xla_ffi/kernels/rs_gemm_sm90.h"
@@ -55,6 +51,9 @@ namespace {
 
 constexpr char kOp[] = "matmul_reduce_scatter";
 
+static_assert(kTileWaitMaxChunks == kMaxChunks, "the kernel's chunk_ends hold one push's chunks");
+static_assert(kPushMaxChunks == kMaxChunks, "a push plan's chunks are flagged e*kMaxChunks + c + 1");
+
 ffi::Error Fail(const std::string& what) { return OpError(kOp, what); }
 
 #define JAXFLUX_CUDA(call) JAXFLUX_RETURN_IF_CUDA_ERROR(kOp, call)
@@ -65,8 +64,18 @@ struct Shapes {
   bool w_kmajor = false;  // w holds the weight transposed, [N, K] (transpose_w)
 };
 
-ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank_info,
-                       ffi::AnyBuffer z, int64_t tp, int64_t transpose_w, Shapes* s) {
+// The kernel choices, as the attributes give them (chosen by jaxflux/tuning).
+struct Choices {
+  bool epilogue_reduce = false;  // reduce: 1 the own-rows GEMM sums the peer's partial
+  bool push_chunks = false;      // push_chunks: 1 the peer's partial goes in row chunks
+  bool pingpong = false;         // own_rows_schedule (the epilogue-reduce kernel's)
+  int own_rows_swizzle = 1;      // of the epilogue-reduce kernel
+  int peer_rows_swizzle = 1;     // of CUTLASS's GEMM (peer rows; all rows with reduce=0)
+  int grid_sms = 0;
+};
+
+ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer z, int64_t tp,
+                       int64_t transpose_w, Shapes* s) {
   auto invalid = [](const std::string& what) {
     return ffi::Error::InvalidArgument("jaxflux matmul_reduce_scatter: " + what);
   };
@@ -85,7 +94,7 @@ ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32>
     return invalid("expected x [..., M, K] and w [K, N] (or [N, K] with transpose_w)");
   }
   if (tp < 2 || tp > kReduceMaxRanks) {
-    return invalid("tp must be in 2.." + std::to_string(kReduceMaxRanks));
+    return InvalidAttr(kOp, "tp", tp, "must be in 2.." + std::to_string(kReduceMaxRanks));
   }
   s->rows = static_cast<size_t>(xd[xd.size() - 2]);
   s->k = static_cast<size_t>(wd[k_dim]);
@@ -103,200 +112,68 @@ ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32>
     return invalid("a dimension exceeds 2^31-1");
   }
   if (z.element_count() != s->batch * s->m * s->n) return invalid("z must be [..., M/tp, N]");
-  if (const auto n = static_cast<int64_t>(rank_info.element_count()); n != 2 && n != 2 + tp) {
-    return invalid("rank_info must hold 2 (or 2 + tp) int32s");
-  }
   return ffi::Error::Success();
 }
 
-// The end of a call: debug line, optional sync, and any device error recorded before it.
-ffi::Error Finish(cudaStream_t stream, int32_t ordinal, int rank, const GroupInfo& g,
-                  uint64_t epoch, const Shapes& s, std::optional<std::string> pending) {
-  if (DebugEnabled()) {
-    std::fprintf(stderr, "[jaxflux] GPU %d rank %d channel %d: matmul_reduce_scatter epoch %llu, "
-                 "batch %zu, M=%zu N=%zu K=%zu\n", ordinal, rank, g.channel,
-                 static_cast<unsigned long long>(epoch), s.batch, s.rows, s.n, s.k);
+ffi::Error CheckChoices(const Shapes& s, int64_t tp, int64_t transpose_w, int64_t reduce,
+                        int64_t push_chunks, int64_t own_rows_schedule, int64_t own_rows_swizzle,
+                        int64_t peer_rows_swizzle, int64_t grid_sms, Choices* c) {
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "transpose_w", transpose_w, {0, 1}));
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "reduce", reduce, {0, 1}));
+  if (reduce == 1 && tp != 2) {
+    return InvalidAttr(kOp, "reduce", reduce,
+                       "(the epilogue reduction) needs tp=2, here tp=" + std::to_string(tp) +
+                           "; pass reduce=0");
   }
-  if (SyncErrors()) {
-    JAXFLUX_CUDA(cudaStreamSynchronize(stream));
-    if (!pending) pending = TakeDeviceErrorMessage();
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "push_chunks", push_chunks, {0, 1}));
+  if (push_chunks == 1 && (reduce != 1 || s.batch != 1)) {
+    return InvalidAttr(kOp, "push_chunks", push_chunks,
+                       "needs reduce=1 and an unbatched x (here reduce=" + std::to_string(reduce) +
+                           ", batch " + std::to_string(s.batch) + "); pass push_chunks=0");
   }
-  if (pending) return ffi::Error::Internal(*pending);
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "own_rows_schedule", own_rows_schedule, {0, 1}));
+  JAXFLUX_RETURN_IF_ERROR(CheckSwizzle(kOp, "own_rows_swizzle", own_rows_swizzle));
+  JAXFLUX_RETURN_IF_ERROR(CheckSwizzle(kOp, "peer_rows_swizzle", peer_rows_swizzle));
+  JAXFLUX_RETURN_IF_ERROR(CheckGridSms(kOp, grid_sms));
+  c->epilogue_reduce = reduce == 1;
+  c->push_chunks = push_chunks == 1;
+  c->pingpong = own_rows_schedule == 1;
+  c->own_rows_swizzle = static_cast<int>(own_rows_swizzle);
+  c->peer_rows_swizzle = static_cast<int>(peer_rows_swizzle);
+  c->grid_sms = static_cast<int>(grid_sms);
   return ffi::Error::Success();
-}
-
-// The `reduce` attribute (matmul_reduce_scatter.REDUCE_MODES).
-enum class ReduceMode : int64_t { kChoose = 0, kPass = 1, kEpilogue = 2 };
-
-// How a peer's partial reaches its owner (JAXFLUX_GEMM_RS_PUSH; benchmarks/README.md has the
-// measurements, including those of two removed experiments: `store`, the GEMM storing straight
-// into the owner's slot over NVLink, correct but 0.99-1.27x copy's time; `chunks`, the peer-rows
-// GEMM in row chunks each pushed as it finished, -3%..+7% against copy):
-// - split (default): the peer-rows GEMM is one launch writing a local staging slot; a copy
-//   engine pushes its partial in kMaxChunks row chunks, each flagged as it lands, so with the
-//   epilogue reduction the owner's first tiles wait for a quarter of the push, not all of it
-//   (session 7, 2xH200: 5-7% faster than copy on llama70b-out M >= 4096, 2.5% on gpt3-out,
-//   the same elsewhere).
-// - copy (JAXFLUX_GEMM_RS_PUSH=copy, for measurement): the whole partial in one push, one flag;
-//   the epilogue reduction only where the partial is within its no-stall size.
-enum class PushMode { kCopy, kSplit };
-
-PushMode Push() {
-  static const PushMode mode = [] {
-    const char* env = std::getenv("JAXFLUX_GEMM_RS_PUSH");
-    return env != nullptr && std::string(env) == "copy" ? PushMode::kCopy : PushMode::kSplit;
-  }();
-  return mode;
-}
-
-// Whether the peer's partial can go in row chunks: the split push, and unbatched x (a batched
-// partial is one [b, m, N] slot whose row chunks are not contiguous; it goes whole).
-bool PushInChunks(size_t batch) { return Push() == PushMode::kSplit && batch == 1; }
-
-// Whether the own-rows GEMM reduces in its epilogue (tp = 2) rather than in a separate pass.
-// The epilogue saves the pass (it reads both partials and writes the output: ~partial/0.8 TB/s),
-// but its first wave of tiles waits for the whole peer partial, pushed over NVLink (~0.38 TB/s)
-// after the peer-rows GEMM; the push beyond one wave of 128x256 tiles (~47 us per 4096 of K on
-// an H200) stalls the GEMM. The epilogue wins when that stall is shorter than the pass, with a
-// margin: partial bytes <= kEpilogueBytesPerK * K. Measured crossover (2xH200, the four
-// benchmark shapes at M = 1024..8192, benchmarks/README.md): it picks the faster mode in all
-// 16 cases but one within 0.5%. JAXFLUX_GEMM_RS_REDUCE=pass|epilogue overrides (measurement).
-constexpr size_t kEpilogueBytesPerK = 6144;
-
-bool EpilogueReduce(int64_t tp, int64_t mode, size_t partial_bytes, size_t k, size_t batch) {
-  static const int forced = [] {  // 0: choose, 1: pass, 2: epilogue
-    const char* env = std::getenv("JAXFLUX_GEMM_RS_REDUCE");
-    if (env == nullptr) return 0;
-    const std::string v(env);
-    return v == "pass" ? 1 : v == "epilogue" ? 2 : 0;
-  }();
-  const auto chosen = static_cast<ReduceMode>(mode != 0 ? mode : forced);
-  switch (chosen) {
-    case ReduceMode::kPass:
-      return false;
-    case ReduceMode::kEpilogue:
-      return tp == 2;
-    default:
-      // Pushed in chunks, the partial's first chunk is there soon after the owner's GEMM
-      // starts; pushed whole, it must be within the size the epilogue waits for without
-      // stalling.
-      return tp == 2 && (PushInChunks(batch) || partial_bytes <= kEpilogueBytesPerK * k);
-  }
-}
-
-// The own-rows GEMM's schedule (RsGemmProblem::pingpong). Ping-pong 128x128 tiles overlap one
-// consumer warp group's epilogue (the C read: the peer's partial) with the other's mainloop,
-// where cooperative 128x256 tiles stall both groups on it. Measured on the own-rows kernel alone
-// with C (1xH200, session 13, two runs, every gemm_rs shape at 2048..16384 tokens, tp=2;
-// benchmarks/results/gemm_table_gemm_rs_own_rows_s13_run{1,2}_*.json, benchmarks/README.md
-// "Session 13"). On the rows whose partial the fused op pushes in chunks (tiles swept along
-// N), ping-pong takes 0.90-0.98x cooperative's time at K_local 4096 and 6144 (the
-// out-projections from 4096 tokens) and 0.97-0.99x at 14336 (llama70b-fc2, 16384 tokens) in
-// both runs, and 1.01x at 24576 (gpt3-fc2). On the rows pushed whole (CUTLASS's raster order)
-// it is 0.97-1.04x at K_local <= 14336 and 0.98-1.21x at 24576. Hence ping-pong when the
-// partial goes in chunks and K_local <= kPingpongMaxK. With the weight read K-major (the
-// backward of a column-parallel layer; session 14, two runs,
-// benchmarks/results/gemm_table_gemm_rs_own_rows_kmajor_s14_run{1,2}_*.json) the same rule
-// picks the faster schedule on every chunked row: 0.93-0.99x at K_local 4096 and 6144, 0.98x at
-// 14336, 1.04x at 24576.
-// JAXFLUX_GEMM_RS_SCHEDULE=cooperative|pingpong forces one (tests, measurement).
-constexpr size_t kPingpongMaxK = 16384;
-
-enum class Schedule { kChoose, kCooperative, kPingpong };
-
-// Any other value is refused earlier, at trace time (jaxflux/_knobs.py), as for every knob.
-Schedule ForcedSchedule() {
-  static const Schedule forced = [] {
-    const char* env = std::getenv("JAXFLUX_GEMM_RS_SCHEDULE");
-    const std::string v = env != nullptr ? env : "";
-    return v == "cooperative" ? Schedule::kCooperative
-           : v == "pingpong"  ? Schedule::kPingpong
-                              : Schedule::kChoose;
-  }();
-  return forced;
-}
-
-bool OwnRowsPingpong(int chunk_count, size_t k) {
-  switch (ForcedSchedule()) {
-    case Schedule::kCooperative:
-      return false;
-    case Schedule::kPingpong:
-      return true;
-    default:
-      return chunk_count > 1 && k <= kPingpongMaxK;
-  }
-}
-
-static_assert(kAgGemmMaxChunks == kMaxChunks, "the kernel's chunk_ends hold one push's chunks");
-static_assert(kPushMaxChunks == kMaxChunks, "a push plan's chunks are flagged e*kMaxChunks + c + 1");
-
-// The chunks of the split push (with the epilogue reduction, unbatched x): kMaxChunks chunks of
-// equal rows, or one chunk (s.m rows) when the partial is within the epilogue's measured
-// no-stall size (kEpilogueBytesPerK bytes per K), where waiting for all of it costs nothing.
-// (Cutting where a model of the owner's GEMM waves said each chunk lands on time measured the
-// same as even chunks, session 8: docs/design.md.)
-PushChunks PlanPush(const Shapes& s, bool epilogue_reduce) {
-  PushChunks plan;
-  plan.ends[0] = s.m;
-  if (!PushInChunks(s.batch) || !epilogue_reduce) return plan;
-  if (s.m * s.n * s.elem <= kEpilogueBytesPerK * s.k) return plan;
-  return PlanEvenChunks(s.m);
 }
 
 ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator scratch,
                   RankState* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
                   ffi::Buffer<ffi::S32> rank_info, ffi::Result<ffi::AnyBuffer> z, int64_t tp,
                   int64_t num_groups, int64_t site, int64_t generation, int64_t debug_skip_rank,
-                  int64_t reduce_mode, int64_t transpose_w) {
+                  int64_t transpose_w, int64_t reduce, int64_t push_chunks,
+                  int64_t own_rows_schedule, int64_t own_rows_swizzle, int64_t peer_rows_swizzle,
+                  int64_t grid_sms) {
   Shapes s;
-  if (ffi::Error e = CheckInputs(x, w, rank_info, *z, tp, transpose_w, &s); e.failure()) {
-    return e;
-  }
-  if (reduce_mode < 0 || reduce_mode > 2 ||
-      (static_cast<ReduceMode>(reduce_mode) == ReduceMode::kEpilogue && tp != 2)) {
-    return ffi::Error::InvalidArgument("jaxflux matmul_reduce_scatter: reduce must be 0 "
-                                       "(choose), 1 (pass) or 2 (epilogue, tp = 2 only)");
-  }
-  GroupInfo g;
-  if (ffi::Error e = ResolveGroup("matmul_reduce_scatter", stream, ordinal, state,
-                                  rank_info, site, tp, num_groups, &g);
-      e.failure()) {
-    return e;
-  }
-  // A device error recorded since the last call fails this call, after it has taken part.
-  std::optional<std::string> pending = TakeDeviceErrorMessage();
-
-  const int rank = g.rank;
+  JAXFLUX_RETURN_IF_ERROR(CheckInputs(x, w, *z, tp, transpose_w, &s));
+  Choices choice;
+  JAXFLUX_RETURN_IF_ERROR(CheckChoices(s, tp, transpose_w, reduce, push_chunks,
+                                       own_rows_schedule, own_rows_swizzle, peer_rows_swizzle,
+                                       grid_sms, &choice));
   const size_t partial_bytes = s.batch * s.m * s.n * s.elem;  // one owner's rows of x · w
   const size_t slot_bytes = (partial_bytes + 255) / 256 * 256;
-  const size_t half = WorkspaceBytes(generation) / 2;
-  char* my_arena = WorkspaceArena(generation, g.slot);
-  if (my_arena == nullptr || 2 * slot_bytes * static_cast<size_t>(tp) > half) {
-    return Fail("workspace generation " + std::to_string(generation) + " has no room for " +
-                std::to_string(2 * tp) + " slots of " + std::to_string(partial_bytes) +
-                " bytes on GPU " + std::to_string(ordinal) +
-                " (the op must be traced through jaxflux, which sizes it)");
-  }
-  DeviceGuard guard(ordinal);
-  JAXFLUX_CUDA(guard.status());
-  GroupResources group;
-  if (ffi::Error e = GetGroupResources("matmul_reduce_scatter", generation, g, true,
-                                       &group);
-      e.failure()) {
-    return e;
-  }
-  DeviceResources* res = group.self;
-  std::lock_guard<std::mutex> device_lock(res->mu);
+  GroupCall call(kOp, stream, ordinal);
+  JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
+                                     {tp, num_groups, site, generation, debug_skip_rank},
+                                     2 * slot_bytes * static_cast<size_t>(tp)));
+  const GroupInfo& g = call.group();
+  const int rank = g.rank;
+  DeviceResources* res = call.self();
   std::string failed;
 
-  const uint64_t epoch = NextEpoch(g.channel, g.slot);
-  const size_t parity_offset = (epoch & 1) * half;
-  const uint64_t flag_value = epoch * kMaxChunks + 1;  // one chunk: the whole partial
-  const size_t flag_index = static_cast<size_t>(g.channel) * kMaxDevices;
+  const uint64_t epoch = call.epoch();
+  const uint64_t flag_value = epoch * kMaxChunks + 1;  // chunk c: flag_value + c
   auto recv = [&](int device_rank, int source) {  // recv[source] in the arena of device_rank
-    return group.arenas[device_rank] + parity_offset + static_cast<size_t>(source) * slot_bytes;
+    return call.ArenaOf(device_rank) + static_cast<size_t>(source) * slot_bytes;
   };
-  char* stage_base = my_arena + parity_offset + static_cast<size_t>(tp) * slot_bytes;
+  char* stage_base = call.ArenaOf(rank) + static_cast<size_t>(tp) * slot_bytes;
   const char* x_base = static_cast<const char*>(x.untyped_data());
   auto x_base_of = [&](int owner) {  // owner's rows of the first batch entry of x
     return x_base + static_cast<size_t>(owner) * s.m * s.k * s.elem;
@@ -313,30 +190,35 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   problem.batch = static_cast<int>(s.batch);
   problem.batch_stride_a = static_cast<int64_t>(s.rows * s.k);
   problem.batch_stride_d = static_cast<int64_t>(s.m * s.n);
-  const bool epilogue_reduce = EpilogueReduce(tp, reduce_mode, partial_bytes, s.k, s.batch);
-  const PushChunks chunks = PlanPush(s, epilogue_reduce);  // 1: the whole partial
+  problem.swizzle = choice.peer_rows_swizzle;
+  problem.grid_sms = choice.grid_sms;
+  const bool epilogue_reduce = choice.epilogue_reduce;
+  PushChunks chunks;  // one chunk: the whole partial
+  chunks.ends[0] = s.m;
+  if (choice.push_chunks) chunks = PlanEvenChunks(s.m);
   const int peer = (rank + 1) % static_cast<int>(tp);  // the only peer when epilogue_reduce
   RsGemmProblem own{};  // the own rows with the reduction in the epilogue (tp = 2)
   if (epilogue_reduce) {
     own.gemm = problem;
     own.gemm.a = x_base_of(rank);
     own.gemm.d = z->untyped_data();
+    own.gemm.swizzle = choice.own_rows_swizzle;
     own.c = recv(rank, peer);
-    AgGemmWait& wait = own.wait;
-    wait = WaitOfThisRank(g, ordinal, epoch, rank_info.typed_data());
-    wait.flags[0] = res->ready_flags + flag_index + g.peers[peer];
+    TileWait& wait = own.wait;
+    wait = TileWaitOfThisRank(g, ordinal, epoch, rank_info.typed_data());
+    wait.flags[0] = call.FlagFrom(peer);
     wait.flag_base = flag_value - 1;  // chunk c landed once the flag reaches flag_base + c + 1
     wait.rows_per_shard = static_cast<int>(s.m);
     SetChunkEnds(&wait, chunks.ends, chunks.count);
     wait.tp = 1;
     wait.op = static_cast<int32_t>(OpCode::kMatmulReduceScatter);
     wait.source_ranks[0] = peer;
-    own.pingpong = OwnRowsPingpong(chunks.count, s.k) ? 1 : 0;
+    own.pingpong = choice.pingpong ? 1 : 0;
   }
   void* gemm_workspace = nullptr;
   if (const size_t bytes = std::max(GemmSm90WorkspaceBytes(s.dtype, problem),
-                                     epilogue_reduce ? RsGemmSm90WorkspaceBytes(s.dtype, own)
-                                                     : size_t{0});
+                                    epilogue_reduce ? RsGemmSm90WorkspaceBytes(s.dtype, own)
+                                                    : size_t{0});
       bytes > 0) {
     auto allocation = scratch.Allocate(bytes, 256);
     if (!allocation.has_value()) {
@@ -344,7 +226,6 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     }
     gemm_workspace = *allocation;
   }
-  const bool skip = debug_skip_rank == rank;  // test hook: this rank never signals its peers
   for (int i = 1; i <= tp; ++i) {
     const int p = (rank + i) % tp;  // peers first (they wait for us), own rows last
     if (p == rank && epilogue_reduce) {
@@ -363,8 +244,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     if (p == rank) break;
     // The peer's partial, pushed from the side stream chunk by chunk (one chunk: all of it,
     // every batch entry), each chunk flagged on the peer as it lands.
-    JAXFLUX_CUDA(cudaEventRecord(res->fork, stream));
-    JAXFLUX_CUDA(cudaStreamWaitEvent(res->side, res->fork, 0));
+    JAXFLUX_RETURN_IF_ERROR(call.ForkSide());
     const size_t out_row = s.n * s.elem;
     const char* stage = static_cast<const char*>(problem.d);
     for (int c = 0; c < chunks.count; ++c) {
@@ -372,70 +252,63 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
       const size_t bytes = chunks.count == 1 ? partial_bytes : (chunks.ends[c] - row0) * out_row;
       JAXFLUX_CUDA(cudaMemcpyAsync(recv(p, rank) + row0 * out_row, stage + row0 * out_row, bytes,
                                    cudaMemcpyDefault, res->side));
-      if (!skip && !WriteFlag(res->side, group.ranks[p]->ready_flags + flag_index + g.slot,
-                              flag_value + c, &failed)) {
+      if (!call.skip_signals() &&
+          !WriteFlag(res->side, call.FlagOn(p), flag_value + c, &failed)) {
         return Fail(failed);
       }
     }
   }
 
   if (!epilogue_reduce) {
-    WaitReduceParams reduce{};
-    reduce.tp = static_cast<int32_t>(tp);
+    WaitReduceParams params{};
+    params.tp = static_cast<int32_t>(tp);
     for (int r = 0; r < tp; ++r) {
-      reduce.partials[r] = recv(rank, r);
-      reduce.flags[r] = r == rank ? nullptr : res->ready_flags + flag_index + g.peers[r];
+      params.partials[r] = recv(rank, r);
+      params.flags[r] = r == rank ? nullptr : call.FlagFrom(r);
     }
-    reduce.target = flag_value;
-    reduce.out = z->untyped_data();
-    reduce.count = s.batch * s.m * s.n;
-    reduce.dtype = s.dtype == GemmDtype::kF16 ? ReduceDtype::kF16 : ReduceDtype::kBF16;
-    reduce.timeout_ns = TimeoutNs();
-    reduce.epoch = epoch;
-    reduce.device = ordinal;
-    reduce.rank = rank;
-    reduce.op = static_cast<int32_t>(OpCode::kMatmulReduceScatter);
-    reduce.error = DeviceErrorRecordPtr();
-    JAXFLUX_CUDA(LaunchWaitReduce(reduce, 2 * std::max(res->sm_count, 1), stream));
+    params.target = flag_value;
+    params.out = z->untyped_data();
+    params.count = s.batch * s.m * s.n;
+    params.dtype = s.dtype == GemmDtype::kF16 ? ReduceDtype::kF16 : ReduceDtype::kBF16;
+    params.timeout_ns = TimeoutNs();
+    params.epoch = epoch;
+    params.device = ordinal;
+    params.rank = rank;
+    params.op = static_cast<int32_t>(OpCode::kMatmulReduceScatter);
+    params.error = DeviceErrorRecordPtr();
+    JAXFLUX_CUDA(LaunchWaitReduce(params, 2 * std::max(res->sm_count, 1), stream));
   }
-  JAXFLUX_CUDA(cudaEventRecord(res->join, res->side));
-  JAXFLUX_CUDA(cudaStreamWaitEvent(stream, res->join, 0));
-  return Finish(stream, ordinal, rank, g, epoch, s, std::move(pending));
-}
-
-ffi::Error GemmRsSiteCached(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator scratch,
-                            ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank_info,
-                            ffi::Result<ffi::AnyBuffer> z, int64_t tp, int64_t num_groups,
-                            int64_t site, int64_t generation, int64_t debug_skip_rank,
-                            int64_t reduce_mode, int64_t transpose_w) {
-  return GemmRs(stream, ordinal, std::move(scratch), nullptr, x, w, rank_info, z, tp, num_groups,
-                site, generation, debug_skip_rank, reduce_mode, transpose_w);
+  JAXFLUX_RETURN_IF_ERROR(call.JoinSide());
+  return call.Finish([&] {
+    return StrFormat("batch %zu, M=%zu N=%zu K=%zu, reduce %d, %d push chunks, own rows %s",
+                     s.batch, s.rows, s.n, s.k, epilogue_reduce ? 1 : 0, chunks.count,
+                     choice.pingpong ? "pingpong" : "cooperative");
+  });
 }
 
 }  // namespace
 }  // namespace jaxflux
 
-#define JAXFLUX_GEMM_RS_BINDING(...)                                                   \
-  xla::ffi::Ffi::Bind()                                                                \
-      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>() /* XLA's stream */                \
-      .Ctx<xla::ffi::DeviceOrdinal>()                /* CUDA ordinal */                \
-      .Ctx<xla::ffi::ScratchAllocator>()             /* CUTLASS scratch, if any */     \
-      __VA_ARGS__                                                                      \
-      .Arg<xla::ffi::AnyBuffer>()                    /* x: [..., M, K] */              \
-      .Arg<xla::ffi::AnyBuffer>()                    /* w: [K, N] or [N, K] */         \
-      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()        /* rank_info */                   \
-      .Ret<xla::ffi::AnyBuffer>()                    /* z: [..., M/tp, N] */           \
-      .Attr<int64_t>("tp")                                                             \
-      .Attr<int64_t>("num_groups")                                                     \
-      .Attr<int64_t>("site")                                                           \
-      .Attr<int64_t>("generation")                                                     \
-      .Attr<int64_t>("debug_skip_rank")                                                \
-      .Attr<int64_t>("reduce")                                                         \
-      .Attr<int64_t>("transpose_w") /* 1: w is [N, K], the weight transposed */
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxGemmRsExecute, jaxflux::GemmRs,
-                              JAXFLUX_GEMM_RS_BINDING(
-                                  .Ctx<xla::ffi::State<jaxflux::RankState>>()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxGemmRsSiteCached, jaxflux::GemmRsSiteCached,
-                              JAXFLUX_GEMM_RS_BINDING());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxfluxGemmRsExecute, jaxflux::GemmRs,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
+        .Ctx<xla::ffi::DeviceOrdinal>()                 // CUDA ordinal
+        .Ctx<xla::ffi::ScratchAllocator>()              // CUTLASS scratch, if any
+        .Ctx<xla::ffi::State<jaxflux::RankState>>()     // ranks found by this instance
+        .Arg<xla::ffi::AnyBuffer>()                     // x: [..., M, K]
+        .Arg<xla::ffi::AnyBuffer>()                     // w: [K, N] or [N, K]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank_info
+        .Ret<xla::ffi::AnyBuffer>()                     // z: [..., M/tp, N]
+        .Attr<int64_t>("tp")
+        .Attr<int64_t>("num_groups")
+        .Attr<int64_t>("site")
+        .Attr<int64_t>("generation")
+        .Attr<int64_t>("debug_skip_rank")
+        .Attr<int64_t>("transpose_w")        // 1: w is [N, K], the weight transposed
+        .Attr<int64_t>("reduce")             // 0 pass, 1 epilogue (tp = 2)
+        .Attr<int64_t>("push_chunks")        // 1: the partial in even row chunks
+        .Attr<int64_t>("own_rows_schedule")  // 0 cooperative, 1 ping-pong
+        .Attr<int64_t>("own_rows_swizzle")   // 1, 2, 4 or 8
+        .Attr<int64_t>("peer_rows_swizzle")  // 1, 2, 4 or 8
+        .Attr<int64_t>("grid_sms"));         // 0: all SMs

@@ -1,15 +1,12 @@
-// Where a device stands in its tensor-parallel group, found once and cached: either per
-// executable instance (XLA FFI state, the default) or per traced call site and device.
-// Shared by every communicating FFI handler so that the discovery logic exists once.
-#ifndef JAXFLUX_XLA_FFI_FFI_GROUP_H_
-#define JAXFLUX_XLA_FFI_FFI_GROUP_H_
+// Where a device stands in its tensor-parallel group, found once per executable instance (XLA
+// FFI state) and shared by every communicating FFI handler.
+#pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <array>
 #include <cstdint>
 #include <mutex>
-#include <string>
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/runtime/signals.h"
@@ -24,11 +21,10 @@ struct RankState {
   std::array<GroupInfo, kMaxDevices> groups{};
 };
 
-// The group of `ordinal` for this call: from `state` when given (stateful targets), else from
-// the process-wide cache keyed by (site, ordinal). Runs DiscoverGroup (one host sync and a
-// rendezvous with the peers) the first time. `op` names the caller in errors.
-// `rank_info` is the op's rank operand: [rank, group], plus the group's slots in rank order with
-// one process per GPU.
+// The group of `ordinal` for this call, from `state`; runs DiscoverGroup (one host sync and a
+// rendezvous with the peers) the first time. `op` names the caller in errors. `rank_info` is the
+// op's rank operand: [rank, group], plus the group's slots in rank order with one process per
+// GPU.
 xla::ffi::Error ResolveGroup(const char* op, cudaStream_t stream, int ordinal, RankState* state,
                              xla::ffi::Buffer<xla::ffi::S32> rank_info, int64_t site, int64_t tp,
                              int64_t num_groups, GroupInfo* group);
@@ -36,7 +32,7 @@ xla::ffi::Error ResolveGroup(const char* op, cudaStream_t stream, int ordinal, R
 // What a communicating handler needs of every rank of its group: workspace arenas of one
 // generation and the per-device resources (streams, events, flag arrays).
 struct GroupResources {
-  DeviceResources* self = nullptr;                  // this device's (the caller locks self->mu)
+  DeviceResources* self = nullptr;                  // this device's
   std::array<DeviceResources*, kMaxRanks> ranks{};  // by rank
   std::array<char*, kMaxRanks> arenas{};            // by rank; checked when need_arenas
 };
@@ -46,5 +42,3 @@ xla::ffi::Error GetGroupResources(const char* op, int64_t generation, const Grou
                                   bool need_arenas, GroupResources* out);
 
 }  // namespace jaxflux
-
-#endif  // JAXFLUX_XLA_FFI_FFI_GROUP_H_

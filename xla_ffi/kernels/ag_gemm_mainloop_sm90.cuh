@@ -1,16 +1,13 @@
 // The fused AllGather+GEMM's mainloop: CUTLASS's sm90 TMA warp-specialized mainloop (the stock
 // collective the builder picks) with a second source for A. The tiles of this rank's own rows
 // are loaded straight from its shard x, the FFI operand; every other tile from the gathered
-// buffer that peers push into. So the own shard no longer has to be copied into that buffer
-// before the GEMM can start: a serial read and write of the shard on XLA's stream, estimated
-// (not timed on its own) at ~40 us for a 64 MiB shard at H200 bandwidth; by that estimate a
-// third to all of the fused kernel's time over its GEMM-only mode on the large benchmark rows
-// (benchmarks/README.md has those two times).
+// buffer that peers push into. So the own shard need not be copied into that buffer before the
+// GEMM can start (a serial read and write of the shard on XLA's stream).
 //
 // Only the producer's load differs from the stock collective: it picks the TMA descriptor (and
-// the tile's coordinate in that tensor) per output tile, then issues the same pipeline of
+// the tile's coordinate in that tensor) per output tile, then runs the same pipeline of
 // A and B loads. The math, the shared-memory pipeline and the epilogue are untouched.
-// Precondition (checked on the host, AgGemmTileRows): a shard's rows are a whole number of
+// Precondition (checked on the host, ag_gemm_sm90::Run): a shard's rows are a whole number of
 // tiles, so no tile mixes rows of both sources.
 #pragma once
 

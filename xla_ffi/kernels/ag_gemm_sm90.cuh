@@ -1,40 +1,31 @@
-// The fused AllGather+GEMM kernel: the sm90 GEMM of gemm_sm90.cuh with the AllGather tile
-// scheduler (ag_gemm_scheduler_sm90.cuh). One .cu per element type instantiates it.
+// The fused AllGather+GEMM kernel: the sm90 GEMM of gemm_sm90.cuh with the fused tile scheduler
+// (fused_tile_scheduler_sm90.cuh) and the local-shard mainloop (ag_gemm_mainloop_sm90.cuh).
+// Instantiated per (element type, tile config, B layout) in instantiations/ag_gemm_sm90_*.cu
+// (generate_instantiations.py).
 #pragma once
 
-#include <cstdlib>
-
 #include "xla_ffi/kernels/ag_gemm_mainloop_sm90.cuh"
-#include "xla_ffi/kernels/ag_gemm_scheduler_sm90.cuh"
+#include "xla_ffi/kernels/ag_gemm_sm90.h"
+#include "xla_ffi/kernels/fused_tile_scheduler_sm90.cuh"
 #include "xla_ffi/kernels/gemm_sm90.cuh"
 
 namespace jaxflux::ag_gemm_sm90 {
 
-// The tile configs of AgGemmConfig, in its order.
-using Tiles0 = gemm_sm90::TileConfig<128, 256, 2, 1, false>;  // kCoop128x256Cluster2x1
-using Tiles1 = gemm_sm90::TileConfig<128, 256, 1, 2, false>;  // kCoop128x256Cluster1x2
-using Tiles2 = gemm_sm90::TileConfig<256, 128, 1, 2, false>;  // kCoop256x128Cluster1x2
-using Tiles3 = gemm_sm90::TileConfig<128, 128, 1, 2, true>;   // kPingpong128x128Cluster1x2
+// The tile configs of AgGemmConfig.
+using Cooperative128x256Cluster2x1 = gemm_sm90::TileConfig<128, 256, 2, 1, false>;
+using Pingpong128x128Cluster1x2 = gemm_sm90::TileConfig<128, 128, 1, 2, true>;
 
-// The GEMM of gemm_sm90.cuh with the AllGather tile scheduler and a mainloop that reads this
+// The GEMM of gemm_sm90.cuh with the fused tile scheduler and a mainloop that reads this
 // rank's own rows from its shard rather than from the gathered buffer (LocalShardMainloop).
 template <class Element, class Tiles, class LayoutB>
-struct Config : gemm_sm90::Config<Element, AgGemmSchedulerTag, Tiles, void, LayoutB> {
-  using Stock = gemm_sm90::Config<Element, AgGemmSchedulerTag, Tiles, void, LayoutB>;
+struct Config : gemm_sm90::Config<Element, FusedSchedulerTag, Tiles, void, LayoutB> {
+  using Stock = gemm_sm90::Config<Element, FusedSchedulerTag, Tiles, void, LayoutB>;
   using Mainloop = LocalShardMainloop<typename Stock::Mainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
                                                       typename Stock::Epilogue,
-                                                      AgGemmSchedulerTag>;
+                                                      FusedSchedulerTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
-
-// Swizzle of the tile order (CUTLASS max_swizzle_size: 1, 2, 4 or 8 M-tile cluster rows swept
-// together along N, for L2 reuse of B). 4 measured best for the fused kernel on llama70b-fc1
-// (benchmarks/README.md); JAXFLUX_GEMM_SWIZZLE overrides it for measurements.
-inline int Swizzle() {
-  static const int value = gemm_sm90::SwizzleFromEnv("JAXFLUX_GEMM_SWIZZLE", 4);
-  return value;
-}
 
 template <class Element, class Tiles, class LayoutB>
 typename Config<Element, Tiles, LayoutB>::Gemm::Arguments MakeArguments(const AgGemmProblem& p) {
@@ -44,7 +35,7 @@ typename Config<Element, Tiles, LayoutB>::Gemm::Arguments MakeArguments(const Ag
   constexpr int kClusterM = cute::get<0>(typename C::Cluster{});
   constexpr int kClusterN = cute::get<1>(typename C::Cluster{});
   auto args = gemm_sm90::MakeArguments<C>(p.gemm);
-  if (p.a_local != nullptr) {  // the host checked rows_per_shard % kTileM (AgGemmTileRows)
+  if (p.a_local != nullptr) {  // Run checks rows_per_shard % kTileM
     args.mainloop.ptr_a_local = static_cast<const typename C::Element*>(p.a_local);
     args.mainloop.shard_rows = p.wait.rows_per_shard;
     args.mainloop.tp = p.wait.tp;
@@ -55,7 +46,7 @@ typename Config<Element, Tiles, LayoutB>::Gemm::Arguments MakeArguments(const Ag
   // Along N: consecutive tiles share their A rows, so the kernel sweeps the gathered rows in
   // order (own shard first, then as peers' shards arrive).
   s.raster_order = Options::AlongN;
-  s.max_swizzle_size = Swizzle();
+  s.max_swizzle_size = p.gemm.swizzle;
   s.wait = p.wait;
   s.wait_for_flags = p.wait_for_flags;
   s.tiles_m = C::Kernel::TileScheduler::template LinearTilesM<kTileN, kClusterM, kClusterN>(

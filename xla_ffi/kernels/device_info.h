@@ -3,7 +3,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <cstdlib>
 #include <mutex>
 
 namespace jaxflux {
@@ -15,24 +14,20 @@ inline int SmCount(int device) {
   static int counts[64] = {};
   std::lock_guard<std::mutex> lock(mu);
   if (device < 0 || device >= 64) return 0;
-  if (counts[device] == 0) {
-    cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device);
+  if (counts[device] == 0 &&
+      cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device) !=
+          cudaSuccess) {
+    (void)cudaGetLastError();
+    counts[device] = 0;
   }
   return counts[device];
 }
 
-// SMs the persistent GEMMs size their grid by: all of the device's, or fewer with
-// JAXFLUX_GEMM_SMS=n (test and measurement knob). Fewer leave SMs free for kernels of other
-// streams; the tests that run two ranks on one GPU need that (tests/multiprocess_gpu_worker.py):
-// a copy between two buffers of one device runs as a kernel, which a GEMM holding every SM
-// while it waits for that very copy would starve until its wait timed out.
-inline int GridSms(int device) {
-  static const int limit = [] {
-    const char* env = std::getenv("JAXFLUX_GEMM_SMS");
-    return env != nullptr ? std::atoi(env) : 0;
-  }();
+// SMs a persistent GEMM sizes its grid by (GemmProblem::grid_sms): all of the device's, or
+// min(grid_sms, SMs) when grid_sms > 0.
+inline int GridSms(int device, int grid_sms) {
   const int sms = SmCount(device);
-  return limit > 0 && limit < sms ? limit : sms;
+  return grid_sms > 0 && grid_sms < sms ? grid_sms : sms;
 }
 
 }  // namespace jaxflux

@@ -1,13 +1,12 @@
-// The CUTLASS 3 pieces of the sm90 GEMM, assembled once per element type (one .cu per type so
-// the heavy instantiations compile in parallel).
+// The CUTLASS 3 pieces of the sm90 GEMM (gemm_sm90.h), shared by the fused kernels.
 //
-// Default config: warp-specialized cooperative mainloop with TMA, 128x256x64 tiles, 2x1
-// clusters, persistent tile scheduler; the measured stock config closest to cuBLAS on the
-// benchmark shapes (DESIGN.md: 769 vs 808 TFLOP/s on 8192x14336x8192). The fused AllGather+GEMM
-// instantiates a few more (ag_gemm_sm90.h, AgGemmConfig) to choose from per shape.
+// Stock config: warp-specialized cooperative mainloop with TMA, 128x256x64 tiles, 2x1 clusters,
+// persistent tile scheduler (the stock config measured closest to cuBLAS on the benchmark
+// shapes). The fused kernels plug in their own scheduler, mainloop or epilogue
+// (ag_gemm_sm90.cuh, rs_gemm_sm90.cuh). Instantiated per element type in
+// instantiations/gemm_sm90_*.cu (generate_instantiations.py).
 #pragma once
 
-#include <cstdlib>
 #include <type_traits>
 
 #include "cute/tensor.hpp"
@@ -35,7 +34,6 @@ struct TileConfig {
                                               cutlass::epilogue::TmaWarpSpecializedCooperative>;
 };
 
-// The measured stock config closest to cuBLAS on the benchmark shapes.
 using DefaultTiles = TileConfig<128, 256, 2, 1, false>;
 
 // B's layouts: [K,N] row-major (N-major), or given as Bᵀ [N,K] row-major (K-major).
@@ -46,8 +44,8 @@ using KMajorB = cutlass::layout::ColumnMajor;
 template <class Epilogue, int kTileM>
 using PlainEpilogue = Epilogue;
 
-// SchedulerTag: void = CUTLASS's static persistent scheduler (GEMM-only op); the fused ops plug
-// in their own (ag_gemm_scheduler_sm90.cuh). ElementC: void = no source operand (D = A·B);
+// SchedulerTag: void = CUTLASS's static persistent scheduler; the fused ops plug
+// in their own (fused_tile_scheduler_sm90.cuh). ElementC: void = no source operand (D = A·B);
 // Element = D = A·B + C (the fused GEMM+ReduceScatter's own rows, rs_gemm_sm90.cuh).
 // LayoutB: NMajorB or KMajorB (GemmProblem::b_kmajor). EpilogueWrap<CUTLASS's epilogue, tile
 // rows>: the epilogue the kernel runs (GEMM+ReduceScatter's waits for C: rs_epilogue_sm90.cuh).
@@ -81,21 +79,6 @@ struct Config {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
-// A tile-order swizzle (CUTLASS max_swizzle_size) from the environment variable `name`
-// (1, 2, 4 or 8; anything else, or unset: `fallback`), read once per process by the caller.
-inline int SwizzleFromEnv(const char* name, int fallback) {
-  const char* env = std::getenv(name);
-  const int s = env ? std::atoi(env) : fallback;
-  return (s == 1 || s == 2 || s == 4 || s == 8) ? s : fallback;
-}
-
-// Swizzle of CUTLASS's own scheduler (the GEMM-only op and GEMM+ReduceScatter's peer rows);
-// JAXFLUX_GEMM_PLAIN_SWIZZLE overrides it for measurements.
-inline int PlainSwizzle() {
-  static const int value = SwizzleFromEnv("JAXFLUX_GEMM_PLAIN_SWIZZLE", 1);
-  return value;
-}
-
 template <class C>
 typename C::Gemm::Arguments MakeArguments(const GemmProblem& p) {
   using Gemm = typename C::Gemm;
@@ -113,7 +96,7 @@ typename C::Gemm::Arguments MakeArguments(const GemmProblem& p) {
   }
   cutlass::KernelHardwareInfo hw;
   hw.device_id = p.device;
-  hw.sm_count = GridSms(p.device);
+  hw.sm_count = GridSms(p.device, p.grid_sms);
   typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {p.m, p.n, p.k, p.batch},
@@ -126,7 +109,7 @@ typename C::Gemm::Arguments MakeArguments(const GemmProblem& p) {
   args.epilogue.dC = stride_d;
   args.epilogue.ptr_D = static_cast<Element*>(p.d);
   args.epilogue.dD = stride_d;
-  args.scheduler.max_swizzle_size = PlainSwizzle();  // the fused ops set their own
+  args.scheduler.max_swizzle_size = p.swizzle;
   return args;
 }
 
@@ -165,3 +148,15 @@ const char* Run(const GemmProblem& p, void* workspace, cudaStream_t stream) {
 }
 
 }  // namespace jaxflux::gemm_sm90
+
+// Defines the entry points of one element type (listed in gemm_sm90_dispatch.cu).
+#define JAXFLUX_GEMM_INSTANCE(NAME, ELEMENT)                                                 \
+  namespace jaxflux {                                                                        \
+  size_t GemmWorkspaceBytes_##NAME(const GemmProblem& problem) {                             \
+    return gemm_sm90::WorkspaceBytes<ELEMENT>(problem);                                      \
+  }                                                                                          \
+  const char* GemmRun_##NAME(const GemmProblem& problem, void* workspace,                    \
+                             cudaStream_t stream) {                                          \
+    return gemm_sm90::Run<ELEMENT>(problem, workspace, stream);                              \
+  }                                                                                          \
+  }  // namespace jaxflux

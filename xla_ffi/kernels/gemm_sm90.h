@@ -1,6 +1,8 @@
-// GEMM-only mode of the fused kernels' GEMM: D[M,N] = A[M,K] · B[K,N], row-major, bf16 or fp16
-// in and out, fp32 accumulation, on Hopper (sm_90a); B may also be given transposed (b_kmajor).
-// Plain C++ interface: the FFI handler and nanobind never see CUTLASS.
+// The sm90 GEMM: D[M,N] = A[M,K] · B[K,N], row-major, bf16 or fp16 in and out, fp32
+// accumulation, on Hopper (sm_90a); B may also be given transposed (b_kmajor). CUTLASS's
+// persistent GEMM runs GEMM+ReduceScatter's peer rows and the GEMM-only kernel 0; GemmProblem
+// also describes the fused kernels' GEMMs (ag_gemm_sm90.h, rs_gemm_sm90.h). Plain C++
+// interface: the FFI handlers and nanobind never see CUTLASS.
 #pragma once
 
 #include <cstddef>
@@ -24,9 +26,15 @@ struct GemmProblem {
   // b holds Bᵀ, [n, k] row-major (K-major B, wgmma's native layout): D = A · bᵀ. The backward
   // passes use the forward weight this way instead of a transposed copy XLA would materialize.
   bool b_kmajor = false;
+  // The tile order's swizzle (CUTLASS max_swizzle_size: 1, 2, 4 or 8 M-tile cluster rows swept
+  // together, for L2 reuse of B). Chosen by jaxflux/tuning; the kernels take it as given.
+  int swizzle = 1;
+  // SMs the persistent grid is sized for: 0 all of the device's, n > 0 min(n, SMs). Fewer leave
+  // SMs free for other streams' kernels (tests run two ranks on one GPU this way).
+  int grid_sms = 0;
 };
 
-// Bytes of scratch the kernel needs for this problem (0 for the current config).
+// Bytes of scratch the kernel needs for this problem.
 size_t GemmSm90WorkspaceBytes(GemmDtype dtype, const GemmProblem& problem);
 
 // Launches on `stream`. Returns a static string describing the failure, or nullptr.

@@ -1,8 +1,7 @@
 // The reduction half of GEMM+ReduceScatter: wait (bounded) until every peer's partial product
 // of this rank's rows has landed, then sum all tp partials in a fixed rank order (fp32
 // accumulation, one rounding) into the output. Host-callable from plain C++.
-#ifndef JAXFLUX_XLA_FFI_KERNELS_REDUCE_KERNELS_H_
-#define JAXFLUX_XLA_FFI_KERNELS_REDUCE_KERNELS_H_
+#pragma once
 
 #include <cuda_runtime_api.h>
 
@@ -35,5 +34,3 @@ struct WaitReduceParams {
 cudaError_t LaunchWaitReduce(const WaitReduceParams& params, int max_blocks, cudaStream_t stream);
 
 }  // namespace jaxflux
-
-#endif  // JAXFLUX_XLA_FFI_KERNELS_REDUCE_KERNELS_H_

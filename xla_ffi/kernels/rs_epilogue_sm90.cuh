@@ -1,17 +1,17 @@
 // The epilogue of GEMM+ReduceScatter's own-rows kernel: CUTLASS's sm90 TMA epilogue
 // (D = A·B + C, C = the peer's partial of these rows) whose C load first waits, bounded, for the
-// push chunks behind the tile's rows (AgGemmWait). The wait sits in the epilogue, not in the
+// push chunks behind the tile's rows (TileWait). The wait sits in the epilogue, not in the
 // tile scheduler, because that is where both of CUTLASS's sm90 kernels load C and only there:
 // the cooperative kernel also asks the scheduler (compute_epilogue) right before, the ping-pong
 // kernel does not. Only the producer warp that loads C waits; the consumers block on the
 // epilogue's load pipeline for that tile, after its mainloop, so the wait overlaps the tile's
-// math. With wait_for_flags = 0 (the GEMM-only probe) it is CUTLASS's epilogue.
+// math. With wait_for_flags = 0 (the GEMM-only kernel) it is CUTLASS's epilogue.
 #pragma once
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
-#include "xla_ffi/kernels/ag_gemm_sm90.h"
-#include "xla_ffi/kernels/gemm_wait_sm90.cuh"
+#include "xla_ffi/kernels/tile_wait.h"
+#include "xla_ffi/kernels/tile_wait_sm90.cuh"
 
 namespace jaxflux {
 
@@ -19,13 +19,13 @@ template <class Base, int kTileM>
 class WaitingEpilogue : public Base {
  public:
   struct Arguments : Base::Arguments {
-    AgGemmWait wait{};
+    TileWait wait{};
     int32_t wait_for_flags = 0;
     int32_t total_rows = 0;  // M of one batch entry (rows past it are TMA-clipped, not waited)
   };
 
   struct Params : Base::Params {
-    AgGemmWait wait{};
+    TileWait wait{};
     int32_t wait_for_flags = 0;
     int32_t total_rows = 0;
   };
@@ -43,7 +43,7 @@ class WaitingEpilogue : public Base {
   }
 
   // `params` is the kernel's __grid_constant__ parameter: keep its address (a copy of the wait
-  // state would live in local memory; see ag_gemm_scheduler_sm90.cuh).
+  // state would live in local memory; see fused_tile_scheduler_sm90.cuh).
   CUTLASS_HOST_DEVICE WaitingEpilogue(Params const& params,
                                       typename Base::TensorStorage& shared_tensors)
       : Base(params, shared_tensors), params_(&params) {}
@@ -58,12 +58,12 @@ class WaitingEpilogue : public Base {
     if (p.wait_for_flags) {
       if (!rank_checked_) {  // once per kernel, by one thread of the grid
         if (blockIdx.x == 0 && blockIdx.y == 0 && (threadIdx.x & 31) == 0) {
-          gemm_wait::CheckRank(p.wait);
+          tile_wait::CheckRank(p.wait);
         }
         rank_checked_ = true;
       }
       const int row0 = static_cast<int>(cute::get<0>(tile_coord_mnkl)) * kTileM;
-      gemm_wait::WaitForRows(p.wait, p.total_rows, row0, kTileM);
+      tile_wait::WaitForRows(p.wait, p.total_rows, row0, kTileM);
     }
     return Base::load(load_pipeline, load_pipe_producer_state, problem_shape_mnkl,
                       tile_shape_MNK, tile_coord_mnkl, tiled_mma, thread_idx, shared_tensors,

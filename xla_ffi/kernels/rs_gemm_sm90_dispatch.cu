@@ -1,5 +1,5 @@
 // Dispatch of the fused GEMM+ReduceScatter's own-rows GEMM over the element type, to the
-// instantiations in rs_gemm_sm90_{bf16,f16}.cu. No CUTLASS here (compiles fast).
+// instantiations in instantiations/rs_gemm_sm90_*.cu. No CUTLASS here (compiles fast).
 #include "xla_ffi/kernels/rs_gemm_sm90.h"
 
 namespace jaxflux {

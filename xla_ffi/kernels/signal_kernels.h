@@ -1,8 +1,7 @@
 // The device-side error record and op codes every jaxflux kernel reports through, and the
 // receiving kernel of the copy-engine all-gather. Host-callable from plain C++; the device code
 // is in signal_kernels.cu.
-#ifndef JAXFLUX_XLA_FFI_KERNELS_SIGNAL_KERNELS_H_
-#define JAXFLUX_XLA_FFI_KERNELS_SIGNAL_KERNELS_H_
+#pragma once
 
 #include <cuda_runtime_api.h>
 
@@ -66,5 +65,3 @@ struct GatherParams {
 cudaError_t LaunchGather(const GatherParams& params, int max_blocks, cudaStream_t stream);
 
 }  // namespace jaxflux
-
-#endif  // JAXFLUX_XLA_FFI_KERNELS_SIGNAL_KERNELS_H_

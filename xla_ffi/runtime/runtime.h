@@ -1,7 +1,6 @@
 // Host-side runtime of jaxflux: symmetric workspace, signal channels, epochs, rank discovery and
 // the device error record. Plain C++ (no CUDA types) so that module.cc can call it without nvcc.
-#ifndef JAXFLUX_XLA_FFI_RUNTIME_RUNTIME_H_
-#define JAXFLUX_XLA_FFI_RUNTIME_RUNTIME_H_
+#pragma once
 
 #include <cstddef>
 #include <cstdint>
@@ -72,9 +71,10 @@ bool TakeDeviceError(char* buffer, size_t size);
 // Test hooks: number of rank discoveries done so far (each costs one host sync).
 int64_t DiscoveryCount();
 
-// JAXFLUX_DEBUG=1: handlers trace what they do on stderr.
+// Streaming multiprocessors of CUDA device `ordinal` (0 if it can't be read).
+int DeviceSmCount(int ordinal);
+
+// JAXFLUX_DEBUG=1 (the one environment variable read here): handlers trace on stderr.
 bool DebugEnabled();
 
 }  // namespace jaxflux
-
-#endif  // JAXFLUX_XLA_FFI_RUNTIME_RUNTIME_H_

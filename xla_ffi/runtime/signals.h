@@ -1,6 +1,5 @@
 // Internal runtime pieces the FFI handlers use (CUDA types allowed here; not seen by module.cc).
-#ifndef JAXFLUX_XLA_FFI_RUNTIME_SIGNALS_H_
-#define JAXFLUX_XLA_FFI_RUNTIME_SIGNALS_H_
+#pragma once
 
 #include <cuda_runtime_api.h>
 
@@ -80,5 +79,3 @@ class DeviceGuard {
 };
 
 }  // namespace jaxflux
-
-#endif  // JAXFLUX_XLA_FFI_RUNTIME_SIGNALS_H_

@@ -2,8 +2,7 @@
 // order, with no kernel (so it needs no SM). The fused kernels spin on flags while occupying
 // every SM; a flag released by a kernel could then never run, so peers' "chunk landed" signals
 // go through these instead. Reached through the driver entry point, so libcuda is not linked.
-#ifndef JAXFLUX_XLA_FFI_RUNTIME_STREAM_OPS_H_
-#define JAXFLUX_XLA_FFI_RUNTIME_STREAM_OPS_H_
+#pragma once
 
 #include <cuda_runtime_api.h>
 
@@ -19,5 +18,3 @@ namespace jaxflux {
 bool WriteFlag(cudaStream_t stream, uint64_t* flag, uint64_t value, std::string* error);
 
 }  // namespace jaxflux
-
-#endif  // JAXFLUX_XLA_FFI_RUNTIME_STREAM_OPS_H_

@@ -1,7 +1,6 @@
 // Device-side signalling primitives: system-scope acquire/release on flags, the global timer,
 // and the error record. Shared by the copy-engine all-gather and the fused kernels.
-#ifndef JAXFLUX_XLA_FFI_RUNTIME_WAIT_CUH_
-#define JAXFLUX_XLA_FFI_RUNTIME_WAIT_CUH_
+#pragma once
 
 #include <cstdint>
 
@@ -65,9 +64,8 @@ __device__ __forceinline__ WaitResult BoundedWait(const uint64_t* flag, uint64_t
   const uint64_t start = GlobalTimerNs();
   for (uint32_t spins = 1; v < target; ++spins) {
     if ((spins & 63u) == 0) {
-      // The record is host memory: read over PCIe by every spinning thread, often, it slowed
-      // the copy engines' pushes into this GPU 19-24x (a 64 MiB push took 3.2-4.2 ms, not 0.17:
-      // docs/runtime.md, benchmarks/README.md), so only every 4096th spin.
+      // The record is host memory: polled over PCIe by every spinning thread it slows the copy
+      // engines' pushes into this GPU many times over, so only every 4096th spin.
       if ((spins & 4095u) == 0 && error != nullptr &&
           *reinterpret_cast<const volatile int32_t*>(&error->ready)) {
         *seen = v;
@@ -86,5 +84,3 @@ __device__ __forceinline__ WaitResult BoundedWait(const uint64_t* flag, uint64_t
 }
 
 }  // namespace jaxflux::device
-
-#endif  // JAXFLUX_XLA_FFI_RUNTIME_WAIT_CUH_

@@ -1,0 +1,146 @@
+"""`--op gemm`: the single-device GEMM table.
+
+Each row is one GEMM a device runs inside a fused op at tp=2, timed on one device against XLA's
+dot (cuBLAS) on the same operands, variants interleaved as for the other ops:
+  ag_gemm rows  [M, K] x [K, N/tp]
+    xla           jnp.dot
+    gemm_only     gemm(kernel="all_gather_matmul"): the AG+GEMM kernel with its waits off
+  gemm_rs rows  [M, K/tp] x [K/tp, N]
+    xla           jnp.dot
+    gemm_only     the fused op's GEMM work with communication off: gemm(kernel="cutlass") on the
+                  peer's M/2 rows, then gemm(kernel="own_rows", c=that partial) on the own M/2
+    xla_own_rows  jnp.dot on the own rows [M/2, K/tp] x [K/tp, N] (no C)
+    own_rows      gemm(kernel="own_rows", c=C) on the same rows: the own-rows kernel reading C
+Each variant's output is checked against the same product computed by XLA in float32.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxflux.bench.rows import Row
+
+# (numerator, denominator) variants of each ratio a row reports; > 1: jaxflux's kernel is slower.
+RATIOS = {"gemm_only_vs_xla": ("gemm_only", "xla"),
+          "own_rows_vs_xla_own_rows": ("own_rows", "xla_own_rows")}
+ROW_VARIANTS = {"ag_gemm": ("xla", "gemm_only"),
+                "gemm_rs": ("xla", "gemm_only", "xla_own_rows", "own_rows")}
+
+
+def _gemm(x, w, **kwargs):
+  from jaxflux.ops import gemm as gemm_module  # the CPU-only harness imports without it
+  return gemm_module.gemm(x, w, **kwargs)
+
+
+def _f32_dot(a, b):
+  return jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
+                 preferred_element_type=jnp.float32)
+
+
+def ag_gemm_only(x, w):
+  """AllGather+GEMM's GEMM-only mode: its kernel and tile order with the waits off."""
+  return _gemm(x, w, kernel="all_gather_matmul")
+
+
+def rs_gemm_only(x_peer, x_own, w):
+  """GEMM+RS's GEMM work at tp=2 without communication: the peer's rows by CUTLASS's persistent
+  GEMM, then the own-rows kernel adding that partial in its epilogue."""
+  return _gemm(x_own, w, kernel="own_rows", c=_gemm(x_peer, w, kernel="cutlass"))
+
+
+def variant_spec(name: str, row: Row):
+  """(function, input names, float32 reference function) of a --op gemm variant, or a reason
+  string where the variant does not apply to the row."""
+  if name not in ROW_VARIANTS[row.of]:
+    return f"not applicable to {row.of} rows"
+  if name == "xla":
+    return jnp.dot, ("x", "w"), _f32_dot
+  if name == "xla_own_rows":
+    return jnp.dot, ("x_own", "w"), _f32_dot
+  if name == "own_rows":
+    return ((lambda x, w, c: _gemm(x, w, kernel="own_rows", c=c)), ("x_own", "w", "c"),
+            lambda x, w, c: _f32_dot(x, w) + c.astype(jnp.float32))
+  if row.of == "ag_gemm":
+    return ag_gemm_only, ("x", "w"), _f32_dot
+  if row.tp != 2:
+    return f"the GEMM+RS GEMM-only composition is defined at tp=2, not tp={row.tp}"
+  return rs_gemm_only, ("x_peer", "x_own", "w"), lambda p, o, w: _f32_dot(p, w) + _f32_dot(o, w)
+
+
+def _flops(row: Row, variant: str) -> int:
+  """FLOP of one call: own-rows variants do 1/tp of the local GEMM."""
+  full = 2 * row.M * row.K * row.N // row.tp
+  return full // row.tp if variant in ("xla_own_rows", "own_rows") else full
+
+
+def summarize_gemm_row(row: Row, samples: dict, errors: dict, rel_err: dict, calls: dict,
+                       compile_s: dict, n_sets: int) -> dict:
+  """The JSON record of one --op gemm row."""
+  names = ROW_VARIANTS[row.of]
+  ms = {v: (statistics.median(samples[v]) if samples.get(v) else None) for v in names}
+  for v in names:
+    if ms[v] is None and v not in errors:
+      errors[v] = "not requested"
+  ratios = {}
+  for key, (num, den) in RATIOS.items():
+    if num in names:
+      a, b = ms.get(num), ms.get(den)
+      ratios[key] = None if a is None or not b else a / b
+  return {
+      "op": "gemm", "of": row.of, "name": row.name, "M": row.M, "K": row.K, "N": row.N,
+      "tp": row.tp, "dtype": row.dtype, "per_device": row.per_device_shapes,
+      "input_sets": n_sets, "calls_per_run": calls, "compile_and_first_run_s": compile_s,
+      "ms": ms, "spread_ms": {v: ([min(samples[v]), max(samples[v])] if samples.get(v) else None)
+                              for v in names},
+      "samples_ms": {v: s for v, s in samples.items()},
+      "tflops": {v: (None if t is None else _flops(row, v) / t / 1e9) for v, t in ms.items()},
+      "ratios": ratios, "rel_err": rel_err, "errors": errors, "warnings": [],
+  }
+
+
+def summarize_table(rows: list[dict]) -> dict[str, Any]:
+  """Per fused op and ratio: rows measured, mean and worst (largest) ratio, the worst row."""
+  out: dict[str, Any] = {}
+  for of in ("ag_gemm", "gemm_rs"):
+    mine = [r for r in rows if r.get("of") == of]
+    if not mine:
+      continue
+    out[of] = {}
+    for key in RATIOS:
+      pairs = [(r["ratios"][key], f"{r['name']} M={r['M']}") for r in mine
+               if r["ratios"].get(key) is not None]
+      if key not in mine[0]["ratios"]:
+        continue
+      worst = max(pairs) if pairs else (None, None)
+      out[of][key] = {"rows": len(pairs), "of_rows": len(mine),
+                      "mean": statistics.fmean(p[0] for p in pairs) if pairs else None,
+                      "worst": worst[0], "worst_row": worst[1]}
+  return out
+
+
+def _fmt(x, spec=".3f"):
+  return "-" if x is None else format(x, spec)
+
+
+def format_gemm_table(result: dict) -> str:
+  lines = [f"{'of':<8}{'name':<14}{'M':>7}{'xla':>9}{'gemm_only':>10}{'ratio':>7}"
+           f"{'xla_own':>9}{'own_rows':>9}{'ratio':>7}   (ms per call; ratio > 1: slower than "
+           "cuBLAS)"]
+  for r in result["rows"]:
+    ms, ratios = r["ms"], r["ratios"]
+    lines.append(f"{r['of']:<8}{r['name']:<14}{r['M']:>7}{_fmt(ms.get('xla')):>9}"
+                 f"{_fmt(ms.get('gemm_only')):>10}{_fmt(ratios.get('gemm_only_vs_xla')):>7}"
+                 f"{_fmt(ms.get('xla_own_rows')):>9}{_fmt(ms.get('own_rows')):>9}"
+                 f"{_fmt(ratios.get('own_rows_vs_xla_own_rows')):>7}")
+  for of, stats in result.get("summary", {}).items():
+    for key, s in stats.items():
+      lines.append(f"{of} {key}: mean {_fmt(s['mean'])}, worst {_fmt(s['worst'])} "
+                   f"({s['worst_row'] or '-'}), {s['rows']} of {s['of_rows']} rows")
+  notes = sorted({f"{v}: {e}" for r in result["rows"] for v, e in r["errors"].items()
+                  if e != "not requested" and not e.startswith("not applicable")})
+  if notes:
+    lines.append("null variants / errors:")
+    lines.extend("  " + (n if len(n) < 200 else n[:200] + "...") for n in notes)
+  return "\n".join(lines)

@@ -1,0 +1,44 @@
+"""Which implementation a call runs: impl="auto" | "fused" | "xla" -> "fused" or "xla",
+resolved once per call at trace time. "fused" raises where no fused kernel can run (never a
+silent fallback); "auto" takes the fused kernel only where it can run and an AUTO_RULES rule of
+the tuning table says it was measured ahead of XLA."""
+from __future__ import annotations
+
+from jax import lax
+
+from jaxflux import tuning
+from jaxflux.ops import _common, _platform
+
+
+def resolve(op: str, impl: str, x, w, preferred_element_type, axis_name: str,
+            transpose_w: bool = False) -> str:
+  """"fused" or "xla" for `op` on per-device x, w inside shard_map over `axis_name`. With
+  transpose_w, w is given as [N, K] and the rules see the [K, N] it stands for."""
+  _common.check_impl(op, impl)
+  if impl == "xla":
+    return "xla"
+  tp = lax.axis_size(axis_name)
+  w = _common.weight_for_checks(w, transpose_w)
+  dtype_error = _platform.fused_dtype_error(op, x, w)
+  if impl == "fused":
+    if dtype_error is not None:
+      raise TypeError(dtype_error)
+    reason = _platform.fused_unsupported_reason(x, w, preferred_element_type, tp, axis_name)
+    if reason is not None:
+      raise _common.FusedKernelUnavailableError(
+          f"{op}(impl='fused'): {reason} Use impl='auto' to fall back to XLA where the fused "
+          "kernel cannot run.")
+    return "fused"
+  if (dtype_error is not None
+      or _platform.fused_unsupported_reason(x, w, preferred_element_type, tp, axis_name)
+      is not None):
+    return "xla"
+  return "fused" if _auto_prefers_fused(op, x, tp) else "xla"
+
+
+def _auto_prefers_fused(op: str, x, tp: int) -> bool:
+  k = x.shape[-1]
+  rows = x.size // k  # batch * rows of x
+  if op == "all_gather_matmul":
+    rows *= tp  # the gathered rows the GEMM computes
+  return tuning.auto_prefers_fused(op, tp, rows, k)

@@ -1,0 +1,71 @@
+"""The fused FFI calls of both ops (per-device view, inside shard_map): output types, workspace
+bytes, and the tuning choice (jaxflux.tuning, resolved here once per call) as attributes."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxflux import _runtime, tuning
+from jaxflux.ops import _attributes, _common, _group_call, gemm
+
+
+def all_gather_matmul(x, w, axis_name: str, want_gathered: bool, *, transpose_w: bool = False,
+                      debug_skip_rank: int = -1):
+  """(y, x_full or None) from the jaxflux_all_gather_matmul target (xla_ffi/ffi/ag_gemm.cc).
+
+  transpose_w: w is [n, K] and the kernel multiplies by wᵀ, reading w K-major.
+  debug_skip_rank: test hook; that rank never signals its peers, so they time out.
+  """
+  tp = lax.axis_size(axis_name)
+  if tp == 1:  # nothing to gather
+    y = gemm.gemm(x, w.T if transpose_w else w)
+    return y, (x if want_gathered else None)
+  shard_bytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+  m, k = x.shape[-2:]
+  n = w.shape[0] if transpose_w else w.shape[1]
+  batch = math.prod(x.shape[:-2])
+  tuned = tuning.choose_all_gather_matmul(dtype=jnp.dtype(x.dtype).name, tp=tp,
+                                          rows=batch * tp * m, n=n, sms=_runtime.sm_count())
+  out_types = [jax.ShapeDtypeStruct(x.shape[:-2] + (tp * m, n), x.dtype)]
+  if want_gathered:
+    out_types.append(jax.ShapeDtypeStruct(x.shape[:-2] + (tp * m, k), x.dtype))
+  # The gathered A: two parities of tp shards each, every parity half slot-aligned.
+  outs = _group_call.call(
+      "all_gather_matmul", out_types, (x, w), axis_name,
+      2 * _group_call.slot_bytes(tp * shard_bytes), debug_skip_rank=debug_skip_rank,
+      transpose_w=int(transpose_w), **_attributes.all_gather_matmul(tuned.choice, m))
+  # Typed like the XLA path's results: varying along the gathered axis and wherever x, w vary.
+  axes = _common.vma(x) | _common.vma(w) | {axis_name}
+  outs = [_common.mark_varying(o, axes) for o in outs]
+  return outs[0], (outs[1] if want_gathered else None)
+
+
+def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
+                          debug_skip_rank: int = -1):
+  """z from the jaxflux_matmul_reduce_scatter target (xla_ffi/ffi/gemm_rs.cc).
+
+  transpose_w: w is [N, k] and the kernel multiplies by wᵀ, reading w K-major.
+  debug_skip_rank: test hook; that rank never signals its peers, so they time out.
+  """
+  tp = lax.axis_size(axis_name)
+  if tp == 1:  # nothing to reduce
+    return gemm.gemm(x, w.T if transpose_w else w)
+  m = x.shape[-2] // tp
+  k = x.shape[-1]
+  n = w.shape[0] if transpose_w else w.shape[1]
+  batch = math.prod(x.shape[:-2])
+  itemsize = jnp.dtype(x.dtype).itemsize
+  tuned = tuning.choose_matmul_reduce_scatter(dtype=jnp.dtype(x.dtype).name, tp=tp, batch=batch,
+                                              m=m, k=k, n=n, itemsize=itemsize)
+  partial_bytes = batch * m * n * itemsize
+  # Two parities of [tp receive slots, tp staging slots].
+  z = _group_call.call(
+      "matmul_reduce_scatter", jax.ShapeDtypeStruct(x.shape[:-2] + (m, n), x.dtype), (x, w),
+      axis_name, 2 * 2 * tp * _group_call.slot_bytes(partial_bytes),
+      debug_skip_rank=debug_skip_rank, transpose_w=int(transpose_w),
+      **_attributes.matmul_reduce_scatter(tuned.choice))
+  # Typed like the XLA path's result: varying along the scattered axis and wherever x, w vary.
+  return _common.mark_varying(z, _common.vma(x) | _common.vma(w) | {axis_name})

@@ -1,0 +1,84 @@
+"""The FFI call of a communicating op: this device's rank and group operand, the workspace the
+call needs (reserved at trace time), the target's name and the attributes every such handler
+takes (tp, num_groups, site, generation, debug_skip_rank)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxflux import _runtime
+from jaxflux.ops import _common, _mesh, _platform
+
+
+def _other_manual_axes(op: str, axis_name: str) -> list[tuple[str, int]]:
+  """The manual axes other than `axis_name`. The ops' platform check has ruled out other
+  non-manual axes of size > 1 before a fused call gets here; this raises if one still does."""
+  reason = _platform.non_manual_axis_reason(axis_name)
+  if reason is not None:
+    raise NotImplementedError(f"{op}(impl='fused'): {reason}")
+  return _mesh.other_manual_axes(axis_name)
+
+
+def rank_info(axis_name: str, op: str = "all_gather") -> tuple[jax.Array, int]:
+  """This device's [rank along axis_name, group index over the other manual axes] (int32) and
+  the number of groups. The group index is the row-major index over the other axes' positions,
+  so two devices are in the same group iff they agree on every other axis."""
+  group = jnp.int32(0)
+  num_groups = 1
+  others = _other_manual_axes(op, axis_name)
+  for name, size in others:
+    group = group * size + lax.axis_index(name).astype(jnp.int32)
+    num_groups *= size
+  info = jnp.stack([lax.axis_index(axis_name).astype(jnp.int32), jnp.asarray(group, jnp.int32)])
+  if _runtime.multi_process():
+    info = jnp.concatenate([info, _group_slot_words(axis_name, others, group, num_groups)])
+  return info, num_groups
+
+
+def slot_bytes(nbytes: int) -> int:
+  """A workspace slot holding `nbytes`: 256-byte aligned, since peers write into it."""
+  return -(-nbytes // 256) * 256
+
+
+def call(op: str, out_types, operands: tuple, axis_name: str, workspace_bytes: int, *,
+         debug_skip_rank: int = -1, **attrs):
+  """Calls the FFI target of `op` (xla_ffi/ffi/) for this device's group on `axis_name`: makes
+  the workspace hold `workspace_bytes`, appends the rank operand to `operands`, and passes the
+  common attributes plus `attrs` (int64). debug_skip_rank: test hook; that rank never signals
+  its peers, so they time out."""
+  info, num_groups = rank_info(axis_name, op)
+  generation = _runtime.ensure_workspace(workspace_bytes)
+  ffi_call = jax.ffi.ffi_call(_runtime.target_name(op), out_types)
+  return ffi_call(*operands, info,
+                  tp=np.int64(lax.axis_size(axis_name)),
+                  num_groups=np.int64(num_groups),
+                  site=np.int64(_runtime.new_site_id()),
+                  generation=np.int64(generation),
+                  debug_skip_rank=np.int64(debug_skip_rank),
+                  **{name: np.int64(value) for name, value in attrs.items()})
+
+
+def _group_slot_words(axis_name: str, others, group, num_groups: int) -> jax.Array:
+  """[tp] int32: the slot word (host << 8 | host slot) of every rank of this device's group, in
+  rank order. With one process per GPU the handlers learn their peers from it, since no host
+  rendezvous can span processes.
+
+  Under `jax.set_mesh(mesh)` the concrete mesh is known at trace time and the table is a
+  constant. Otherwise (`shard_map(mesh=...)` alone) each device writes its own word
+  (jaxflux_device_slot) and an all-gather over the axis collects them: an XLA collective in the
+  program, which a dead peer leaves hanging (NCCL has no timeout), unlike jaxflux's own waits.
+  """
+  tp = lax.axis_size(axis_name)
+  mesh = _mesh.concrete_mesh()
+  if mesh is not None and axis_name in mesh.axis_names:
+    table = _mesh.slot_word_table(mesh, axis_name, num_groups, _runtime.host_slots().slot_word)
+    return jnp.asarray(table)[group]
+  _runtime.register_targets()
+  slot_call = jax.ffi.ffi_call("jaxflux_device_slot", jax.ShapeDtypeStruct((2,), jnp.int32))
+  word = slot_call()[:1]  # {word, 0}: written as one 64-bit stream memory op
+  axes = {axis_name} | {name for name, _ in others}
+  words = lax.all_gather(_common.mark_varying(word, axes), axis_name, tiled=True)
+  assert words.shape == (tp,)
+  return words

@@ -1,0 +1,124 @@
+"""The measured kernel choices of the fused ops, as data: ENTRIES (which tile, schedule, swizzle
+and reduction each shape class runs) and AUTO_RULES (where impl="auto" takes the fused kernel).
+
+Each record names the result files under benchmarks/results/ that back it (`evidence`) and says
+why in a sentence or two (`why`). jaxflux.tuning classifies shapes and looks records up here.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  op: str            # "all_gather_matmul" | "matmul_reduce_scatter"
+  arch: str          # "sm90"
+  dtype: str         # "bfloat16" | "float16" | "*"
+  tp: int | str      # a group size or "*"
+  shape_class: str   # what jaxflux.tuning's classifier of `op` returns
+  choice: dict       # the choice's fields (grid_sms is never in the table)
+  evidence: tuple    # files under benchmarks/results/ that back the choice
+  why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoRule:
+  op: str
+  arch: str
+  tp: int
+  min_rows: int                   # rows the GEMM computes (all_gather_matmul: gathered rows)
+  max_rows_times_k: int | None    # rows * K of the per-device GEMM, None: no cap
+  evidence: tuple
+  why: str
+
+
+_AG = "all_gather_matmul"
+_RS = "matmul_reduce_scatter"
+
+# The all-gather GEMM's choices other than the tile: swizzle 4 and the own rows read from x.
+_AG_REST = {"swizzle": 4, "local_read": "direct"}
+_AG_REST_WHY = (" Swizzle 4 (bands of 4 cluster rows sweep B's columns together in L2) measured "
+                "best on llama70b-fc1; reading the own rows straight from x saves a serial copy "
+                "of the shard before the GEMM.")
+
+# GEMM+RS: the own-rows GEMM's swizzle by its rows. With 4, bands of 4 cluster rows of tiles
+# share B's columns in L2: 1.4-3.7% faster at 8192 tokens on 3 of 4 shapes, but 0.1-0.9% slower
+# at 2048, where the own rows are a single band and the swizzle turns the landing-order sweep
+# into column order; so 4 from two bands (2 * 4 * 256 = 2048 rows) up.
+_ROWS_WHY = {
+    "rows_lt_2048": " Own-rows swizzle 1: under two bands of 4 cluster rows, a swizzle turns the "
+                    "sweep in landing order into column order and measured 0.1-0.9% slower.",
+    "rows_ge_2048": " Own-rows swizzle 4: bands of 4 cluster rows share B's columns in L2, "
+                    "1.4-3.7% faster at 8192 tokens on 3 of 4 shapes.",
+}
+_ROWS_SWIZZLE = {"rows_lt_2048": 1, "rows_ge_2048": 4}
+
+# The three epilogue classes at tp=2: (reduce, push, own-rows schedule, evidence, why).
+_EPILOGUE_CLASSES = {
+    "whole_epilogue": (
+        "whole", "cooperative", "h200x2_gemm_rs_reduce_and_push.json",
+        "The peer's partial is small for K (<= 6144 bytes per K) or one tile of rows: the "
+        "own-rows GEMM's epilogue sums it without stalling, saving the reduction pass; picked "
+        "the faster mode in 15 of 16 measured cases, the other within 0.5%."),
+    "chunked": (
+        "chunked", "pingpong", "h200_gemm_rs_own_rows_schedule.json",
+        "The partial goes in 4 flagged row chunks, so the epilogue waits for a quarter of the "
+        "push (5-7% faster than one push on llama70b-out from 4096 tokens); ping-pong 128x128 "
+        "tiles overlap one warp group's C read with the other's mainloop, 0.90-0.99x "
+        "cooperative's time at K_local <= 14336 (N-major and K-major weights)."),
+    "chunked_long_k": (
+        "chunked", "cooperative", "h200_gemm_rs_own_rows_schedule.json",
+        "Chunked push as for K_local <= 16384, but at K_local 24576 ping-pong measured "
+        "1.01-1.04x cooperative's time, so the cooperative 128x256 tiles."),
+}
+
+
+def _rs_epilogue_entries():
+  """One entry per epilogue class and own-rows band. Evidence: the class's file, and for the
+  bands from 2048 rows up also the own-rows swizzle runs."""
+  for base, (push, schedule, evidence, why) in _EPILOGUE_CLASSES.items():
+    for rows, swizzle in _ROWS_SWIZZLE.items():
+      files = (evidence,) + (("h200x2_gemm_rs_own_rows_swizzle.json",)
+                             if rows == "rows_ge_2048" else ())
+      yield Entry(_RS, "sm90", "*", 2, f"{base}.{rows}",
+                  {"reduce": "epilogue", "push": push, "own_rows_schedule": schedule,
+                   "own_rows_swizzle": swizzle, "peer_rows_swizzle": 1},
+                  files, why + _ROWS_WHY[rows])
+
+
+_PASS = {"reduce": "pass", "push": "whole", "own_rows_schedule": "cooperative",
+         "own_rows_swizzle": 1, "peer_rows_swizzle": 1}
+
+ENTRIES = (
+    Entry(_AG, "sm90", "*", "*", "few_waves",
+          {"tile": "pingpong_128x128_cluster1x2", **_AG_REST},
+          ("h200x2_ag_gemm_tile_configs.json", "h200x2_ag_gemm_swizzle_and_local_read.json"),
+          "Under 4 waves of 128x256 tiles the last, partly empty wave costs more than the big "
+          "tile saves; the 128x128 ping-pong tile (twice the tiles, a smaller last wave) won on "
+          "llama70b-qkv at 2048 tokens (320 tiles on 132 SMs)." + _AG_REST_WHY),
+    Entry(_AG, "sm90", "*", "*", "many_waves",
+          {"tile": "cooperative_128x256_cluster2x1", **_AG_REST},
+          ("h200x2_ag_gemm_tile_configs.json", "h200x2_ag_gemm_swizzle_and_local_read.json"),
+          "The cooperative 128x256 tile with a 2x1 cluster was the fastest of the tile "
+          "configs on every benchmark row with 4 or more waves of tiles." + _AG_REST_WHY),
+    Entry(_RS, "sm90", "*", 2, "batched", dict(_PASS),
+          ("h200x2_gemm_rs_reduce_and_push.json",),
+          "A batched partial is one [b, m, N] slot whose row chunks are not contiguous, so it "
+          "goes in one push; past the epilogue's no-stall size (6144 bytes per K) the first "
+          "wave would wait for all of it, and the separate reduction pass is faster."),
+    *_rs_epilogue_entries(),
+    Entry(_RS, "sm90", "*", "*", "tp_not_2", dict(_PASS),
+          ("h200x2_gemm_rs_reduce_and_push.json",),
+          "The epilogue reduction sums one peer's partial, so it serves tp=2 only; other group "
+          "sizes sum every peer's partial in the separate wait+reduce pass."),
+)
+
+AUTO_RULES = (
+    AutoRule(_AG, "sm90", 2, 2048, None, ("h200x2_ag_gemm_tp2.json",),
+             "On 2xH200 the fused kernel won on every benchmark shape from 2048 gathered rows "
+             "(1.02-1.27x XLA); fewer rows and other group sizes stay with XLA."),
+    AutoRule(_RS, "sm90", 2, 2048, 2**27, ("h200x2_gemm_rs_tp2.json",),
+             "On 2xH200 every row from 2048 tokens won by >= 1.05x, except where rows * K_local "
+             "passes 2**27: there the hidden communication is a few percent of the GEMM and the "
+             "kernel measured 0.99-1.04x XLA (gpt3-fc2, llama70b-fc2 at 16384 tokens)."),
+)

@@ -1,0 +1,282 @@
+"""The tuning table (jaxflux.tuning), on CPU: it covers every shape class its classifiers can
+produce, every entry names a result file that exists, the default choices equal the kernels'
+measured rules (a reference written out below), and overrides are checked when given."""
+import itertools
+import json
+import math
+import pathlib
+import re
+import threading
+
+import pytest
+
+from jaxflux import tuning
+from jaxflux.ops import _attributes
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
+DTYPES = {"bfloat16": 2, "float16": 2}
+TPS = range(2, 9)
+
+
+# --- the reference: the kernels' rules, as the handlers applied them -------------------------
+
+def reference_all_gather_matmul(batch, tp, m, n, sms):
+  """(tile index, swizzle, local_read): ping-pong 128x128 under 4 waves of 128x256 tiles (when
+  the SM count is known), else cooperative 128x256; swizzle 4; own rows read from x when a
+  shard is whole 128-row tiles."""
+  tiles = math.ceil(batch * tp * m / 128) * math.ceil(n / 256)
+  tile = 1 if sms > 0 and tiles < 4 * sms else 0
+  return tile, 4, int(m % 128 == 0)
+
+
+def even_chunks(m):
+  """How many chunks PlanEvenChunks (xla_ffi/ffi/push_plan.h) cuts m rows into."""
+  rows = min(((m + 3) // 4 + 127) // 128 * 128, m)
+  return (m + rows - 1) // rows
+
+
+def reference_matmul_reduce_scatter(tp, batch, m, k, n, itemsize):
+  """(epilogue, chunks, pingpong, own-rows swizzle, peer-rows swizzle); pingpong and the
+  own-rows swizzle are None where the own-rows GEMM is a plain one (the pass)."""
+  partial = batch * m * n * itemsize
+  push_in_chunks = batch == 1
+  epilogue = tp == 2 and (push_in_chunks or partial <= 6144 * k)
+  if not push_in_chunks or not epilogue or partial <= 6144 * k:
+    chunks = 1
+  else:
+    chunks = even_chunks(m)
+  if not epilogue:
+    return False, chunks, None, None, 1
+  return True, chunks, chunks > 1 and k <= 16384, 4 if m >= 2 * 4 * 256 else 1, 1
+
+
+def kernel_view(attrs, m):
+  """The reference's tuple from the handler attributes the op passes for these rows."""
+  epilogue = bool(attrs["reduce"])
+  chunks = even_chunks(m) if attrs["push_chunks"] else 1
+  if not epilogue:
+    return False, chunks, None, None, attrs["peer_rows_swizzle"]
+  return (True, chunks, attrs["own_rows_schedule"] == 1, attrs["own_rows_swizzle"],
+          attrs["peer_rows_swizzle"])
+
+
+# --- grids ------------------------------------------------------------------------------------
+
+def benchmark_grid():
+  """Per-device shapes of benchmarks/shapes.json at tp=2, M from 256 to 16384, batch 1 and 2."""
+  shapes = json.loads((ROOT / "benchmarks" / "shapes.json").read_text())
+  ms = sorted(set(shapes["M"]) | {256, 512, 1024, 2048, 3072, 4096, 8192, 16384})
+  for op, key in ((AG, "ag_gemm"), (RS, "gemm_rs")):
+    for shape, M, batch, dtype in itertools.product(shapes[key], ms, (1, 2), DTYPES):
+      yield op, shape["K"], shape["N"], M, batch, dtype
+
+
+def classifier_grid():
+  """A dense sweep of the classifiers' inputs, past every threshold they test."""
+  ms = (1, 8, 100, 128, 129, 200, 512, 1000, 2047, 2048, 4096, 8192, 32768)
+  ks = (8, 64, 1024, 4096, 16384, 16392, 24576)
+  ns = (8, 136, 256, 1024, 8192, 49152)
+  return itertools.product(TPS, (1, 2, 3), ms, ks, ns)
+
+
+def produced_classes(op, tp):
+  found = set()
+  for t, batch, m, k, n in classifier_grid():
+    if t != tp:
+      continue
+    if op == AG:
+      for sms in (0, 1, 132):
+        found.add(tuning.all_gather_matmul_class(batch * tp * m, n, sms))
+    else:
+      found.add(tuning.matmul_reduce_scatter_class(tp, batch, m, k, n, 2))
+  return found
+
+
+# --- the table --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", [AG, RS])
+def test_the_sweep_reaches_every_class_the_classifier_names(op):
+  found = set().union(*(produced_classes(op, tp) for tp in TPS))
+  assert found == set(tuning.shape_classes(op))
+
+
+@pytest.mark.parametrize("op", [AG, RS])
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_table_covers_every_class_on_sm90(op, tp, dtype):
+  for shape_class in sorted(produced_classes(op, tp)):
+    entry = tuning.lookup(op, dtype, tp, shape_class, "sm90")
+    assert entry.op == op and entry.shape_class == shape_class
+    fields = {f for f in tuning.FIELDS[op] if f != "grid_sms"}
+    assert set(entry.choice) == fields, entry  # every field but grid_sms, nothing else
+    tuning._check_fields(op, entry.choice)
+
+
+def test_every_record_names_a_result_file_that_exists_and_says_why():
+  for record in tuning.ENTRIES + tuning.AUTO_RULES:
+    assert isinstance(record.evidence, tuple) and record.evidence, record
+    for name in record.evidence:
+      assert (RESULTS / name).is_file(), f"missing benchmarks/results/{name}"
+    assert record.why.strip().endswith(".") and len(record.why) > 40, record
+    assert not re.search(r"\brun \d|\bs\d+\b|\bissue\b", record.why, re.I), record.why
+    assert "grid_sms" not in getattr(record, "choice", {}), record
+
+
+def test_exact_keys_come_before_wildcards(monkeypatch):
+  wild = tuning.Entry(RS, "sm90", "*", "*", "x", {}, "e", "w")
+  exact = tuning.Entry(RS, "sm90", "float16", 2, "x", {}, "e", "w")
+  monkeypatch.setattr(tuning, "ENTRIES", (wild, exact))
+  assert tuning.lookup(RS, "float16", 2, "x") is exact
+  assert tuning.lookup(RS, "bfloat16", 2, "x") is wild
+
+
+def test_no_match_is_an_error_naming_the_keys():
+  with pytest.raises(LookupError, match=r"no table entry for matmul_reduce_scatter on sm100, "
+                                        r"dtype bfloat16, tp=2, shape class 'batched'"):
+    tuning.lookup(RS, "bfloat16", 2, "batched", "sm100")
+  with pytest.raises(LookupError, match=r"shape class 'huge'.*jaxflux/tuning/table.py"):
+    tuning.lookup(AG, "bfloat16", 2, "huge")
+
+
+# --- defaults equal the reference ---------------------------------------------------------------
+
+def _check_default(op, tp, batch, m, k, n, dtype, sms=132):
+  if op == AG:
+    tuned = tuning.choose_all_gather_matmul(dtype=dtype, tp=tp, rows=batch * tp * m, n=n,
+                                            sms=sms)
+    attrs = _attributes.all_gather_matmul(tuned.choice, m)
+    got = (attrs["tile"], attrs["swizzle"], attrs["local_read"])
+    assert got == reference_all_gather_matmul(batch, tp, m, n, sms), (tp, batch, m, n, sms)
+    assert attrs["grid_sms"] == 0
+  else:
+    tuned = tuning.choose_matmul_reduce_scatter(dtype=dtype, tp=tp, batch=batch, m=m, k=k, n=n,
+                                                itemsize=DTYPES[dtype])
+    attrs = _attributes.matmul_reduce_scatter(tuned.choice)
+    want = reference_matmul_reduce_scatter(tp, batch, m, k, n, DTYPES[dtype])
+    assert kernel_view(attrs, m) == want, (tp, batch, m, k, n, tuned)
+    assert attrs["grid_sms"] == 0
+
+
+def test_defaults_equal_the_reference_on_the_benchmark_shapes():
+  tp = 2
+  for op, K, N, M, batch, dtype in benchmark_grid():
+    if op == AG:  # x rows sharded, w columns sharded
+      _check_default(op, tp, batch, M // tp, K, N // tp, dtype)
+    else:         # K sharded; M scattered
+      _check_default(op, tp, batch, M // tp, K // tp, N, dtype)
+
+
+def test_defaults_equal_the_reference_on_the_classifier_sweep():
+  for (tp, batch, m, k, n), dtype in itertools.product(classifier_grid(), DTYPES):
+    for sms in (0, 132):
+      _check_default(AG, tp, batch, m, k, n, dtype, sms)
+    _check_default(RS, tp, batch, m, k, n, dtype)
+
+
+@pytest.mark.parametrize("op,tp,rows,k,fused", [
+    (AG, 2, 2048, 8192, True), (AG, 2, 2047, 8192, False), (AG, 4, 8192, 8192, False),
+    (AG, 2, 16384, 49152, True),
+    (RS, 2, 2048, 64, True), (RS, 2, 1024, 64, False), (RS, 2, 8192, 14336, True),
+    (RS, 2, 16384, 14336, False), (RS, 2, 16384, 24576, False), (RS, 2, 2**27 // 8192, 8192,
+                                                                  True),
+    (RS, 4, 8192, 64, False), (RS, 8, 8192, 64, False),
+])
+def test_auto_rules_are_the_measured_region(op, tp, rows, k, fused):
+  assert tuning.auto_prefers_fused(op, tp, rows, k) == fused
+
+
+# --- overrides ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op,fields,match", [
+    (AG, {"tile": "coop_128x256_cluster1x2"}, r"tile='coop_128x256_cluster1x2' is not valid; "
+                                              r"tile takes 'cooperative_128x256_cluster2x1' or"),
+    (AG, {"swizzle": 3}, r"swizzle=3 is not valid; swizzle takes 1, 2, 4 or 8"),
+    (AG, {"swizzle": True}, r"swizzle=True is not valid"),
+    (AG, {"local_read": "direct-ish"}, r"local_read='direct-ish' is not valid; local_read takes "
+                                       r"'direct' or 'copy'"),
+    (AG, {"grid_sms": -1}, r"grid_sms=-1 is not valid; grid_sms takes an int >= 0"),
+    (AG, {"grid_sms": "100"}, r"grid_sms='100' is not valid"),
+    (AG, {"reduce": "pass"}, r"unknown field 'reduce'; the fields are \('tile'"),
+    (RS, {"reduce": "epilog"}, r"reduce='epilog' is not valid; reduce takes 'epilogue' or "
+                               r"'pass'"),
+    (RS, {"push": "split"}, r"push='split' is not valid; push takes 'chunked' or 'whole'"),
+    (RS, {"own_rows_schedule": "ping-pong"}, r"own_rows_schedule='ping-pong' is not valid"),
+    (RS, {"own_rows_swizzle": 16}, r"own_rows_swizzle=16 is not valid"),
+    (RS, {"peer_rows_swizzle": [4]}, r"peer_rows_swizzle=\[4\] is not valid"),
+    (RS, {"schedule": "pingpong"}, r"unknown field 'schedule'"),
+])
+def test_a_bad_override_raises_at_once_naming_the_field(op, fields, match):
+  with pytest.raises(ValueError, match=rf"jaxflux.tuning.override\('{op}'\): {match}"):
+    with tuning.override(op, **fields):
+      pytest.fail("the block ran")
+  assert tuning.overrides(op) == {}
+
+
+def test_an_unknown_op_is_rejected():
+  with pytest.raises(ValueError, match=r"op='gemm' is not one of"):
+    with tuning.override("gemm", swizzle=4):
+      pass
+
+
+def test_overrides_compose_inner_first_and_end_with_their_block():
+  with tuning.override(RS, reduce="pass", grid_sms=100):
+    with tuning.override(RS, grid_sms=50, own_rows_swizzle=8), tuning.override(AG, swizzle=1):
+      assert tuning.overrides(RS) == {"reduce": "pass", "grid_sms": 50, "own_rows_swizzle": 8}
+      assert tuning.overrides(AG) == {"swizzle": 1}
+    assert tuning.overrides(RS) == {"reduce": "pass", "grid_sms": 100}
+    assert tuning.overrides(AG) == {}
+    choice = tuning.choose_matmul_reduce_scatter(dtype="bfloat16", tp=2, batch=1, m=4096,
+                                                 k=4096, n=8192, itemsize=2).choice
+    assert (choice.reduce, choice.push, choice.grid_sms) == ("pass", "whole", 100)
+  assert tuning.overrides(RS) == {}
+
+
+def test_overrides_are_per_thread():
+  seen = []
+  with tuning.override(AG, grid_sms=7):
+    thread = threading.Thread(target=lambda: seen.append(tuning.overrides(AG)))
+    thread.start()
+    thread.join()
+  assert seen == [{}]
+
+
+def test_an_override_reaches_the_choice_and_keeps_the_class():
+  with tuning.override(AG, tile="cooperative_128x256_cluster2x1", local_read="copy"):
+    tuned = tuning.choose_all_gather_matmul(dtype="float16", tp=2, rows=2048, n=512, sms=132)
+  assert tuned.shape_class == "few_waves"
+  assert tuned.choice == tuning.AllGatherMatmulChoice("cooperative_128x256_cluster2x1", 4,
+                                                      "copy", 0)
+
+
+# --- normalization ------------------------------------------------------------------------------
+
+CHUNKED = {"dtype": "bfloat16", "tp": 2, "batch": 1, "m": 4096, "k": 4096, "n": 8192,
+           "itemsize": 2}
+
+
+def test_the_pass_takes_the_whole_push_unless_chunks_were_asked_for():
+  assert tuning.choose_matmul_reduce_scatter(**CHUNKED).choice.push == "chunked"
+  with tuning.override(RS, reduce="pass"):
+    assert tuning.choose_matmul_reduce_scatter(**CHUNKED).choice.push == "whole"
+  with tuning.override(RS, reduce="pass", push="chunked"):
+    with pytest.raises(ValueError, match=r"matmul_reduce_scatter: push='chunked' needs "
+                                         r"reduce='epilogue'.*got reduce='pass'.*Override "
+                                         r"reduce='epilogue' too"):
+      tuning.choose_matmul_reduce_scatter(**CHUNKED)
+
+
+def test_a_chunked_push_needs_unbatched_x():
+  with tuning.override(RS, reduce="epilogue", push="chunked"):
+    with pytest.raises(ValueError, match=r"push='chunked' needs an unbatched x.*here x has 2 "
+                                         r"batch entries. Override push='whole'"):
+      tuning.choose_matmul_reduce_scatter(**{**CHUNKED, "batch": 2})
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_the_epilogue_reduction_needs_tp_2(tp):
+  with tuning.override(RS, reduce="epilogue"):
+    with pytest.raises(ValueError, match=rf"reduce='epilogue' needs tp=2 \(here tp={tp}\).*"
+                                         r"Override reduce='pass'"):
+      tuning.choose_matmul_reduce_scatter(**{**CHUNKED, "tp": tp})

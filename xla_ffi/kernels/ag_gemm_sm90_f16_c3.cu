@@ -1,4 +1,0 @@
-// One instantiation of the fused AllGather+GEMM kernel (see ag_gemm_sm90.cuh).
-#include "xla_ffi/kernels/ag_gemm_sm90.cuh"
-
-JAXFLUX_AG_GEMM_INSTANCE(f16_c3, cutlass::half_t, Tiles3, NMajorB)

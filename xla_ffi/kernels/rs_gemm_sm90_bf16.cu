@@ -1,4 +1,0 @@
-// The own-rows GEMM of the fused GEMM+ReduceScatter, bfloat16 (see rs_gemm_sm90.cuh).
-#include "xla_ffi/kernels/rs_gemm_sm90.cuh"
-
-JAXFLUX_RS_GEMM_INSTANCE(bf16, cutlass::bfloat16_t)

@@ -1,0 +1,257 @@
+// The symmetric workspace and per-device resources: workspace generations and their arenas, host
+// slots, the side stream, events and flag arrays of each GPU, peer access, and epochs.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdio>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "xla_ffi/runtime/runtime.h"
+#include "xla_ffi/runtime/signals.h"
+#include "xla_ffi/runtime/workspace_state.h"
+
+namespace jaxflux {
+namespace {
+
+using runtime_internal::CudaCall;
+
+constexpr size_t kArenaAlignment = size_t{2} << 20;  // grow in 2 MiB steps
+
+// Workspace generations. Only appended: a traced call names its generation and every device
+// uses that generation's arenas, so programs queued before a growth keep consistent pointers.
+std::mutex g_workspace_mu;
+std::atomic<int64_t> g_num_generations{0};
+std::array<size_t, kMaxGenerations> g_generation_bytes{};
+std::array<std::array<char*, kMaxDevices>, kMaxGenerations> g_arenas{};
+
+std::array<DeviceResources, kMaxDevices> g_devices;  // by host slot
+
+// Host slots (runtime.h), stored as slot + 1: 0 = the CUDA ordinal itself (one process drives
+// all local GPUs).
+std::array<std::atomic<int>, kMaxDevices> g_slot_plus_one{};
+std::atomic<int> g_host_index{0};
+
+std::array<std::array<std::atomic<uint64_t>, kMaxDevices>, kMaxChannels> g_epochs{};
+
+// JAX has usually enabled peer access already; that answer is fine but sticks as the last error
+// unless cleared.
+cudaError_t EnablePeer(int ordinal, int peer) {
+  if (ordinal == peer) return cudaSuccess;
+  int can = 0;
+  cudaError_t err = cudaDeviceCanAccessPeer(&can, ordinal, peer);
+  if (err != cudaSuccess) return err;
+  if (!can) return cudaErrorPeerAccessUnsupported;
+  DeviceGuard guard(ordinal);
+  if (guard.status() != cudaSuccess) return guard.status();
+  err = cudaDeviceEnablePeerAccess(peer, 0);
+  if (err == cudaErrorPeerAccessAlreadyEnabled) {
+    (void)cudaGetLastError();
+    return cudaSuccess;
+  }
+  return err;
+}
+
+std::string FormatMiB(size_t bytes) {
+  char text[64];
+  std::snprintf(text, sizeof(text), "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+  return text;
+}
+
+// Creates the side stream, events and flag arrays of `ordinal` (Python thread, under the
+// workspace lock, before any program that needs them runs).
+cudaError_t InitDeviceResources(int ordinal, std::string* failed_call) {
+  DeviceResources& r = g_devices[SlotOfOrdinal(ordinal)];
+  if (r.ready.load(std::memory_order_acquire)) return cudaSuccess;
+  DeviceGuard guard(ordinal);
+  cudaError_t err = guard.status();
+  if (err != cudaSuccess) {
+    *failed_call = "cudaSetDevice";
+    return err;
+  }
+#define JAXFLUX_INIT(call)             \
+  if ((err = (call)) != cudaSuccess) { \
+    *failed_call = #call;              \
+    return err;                        \
+  }
+  JAXFLUX_INIT(cudaDeviceGetAttribute(&r.sm_count, cudaDevAttrMultiProcessorCount, ordinal));
+  JAXFLUX_INIT(cudaStreamCreateWithFlags(&r.side, cudaStreamNonBlocking));
+  JAXFLUX_INIT(cudaEventCreateWithFlags(&r.fork, cudaEventDisableTiming));
+  JAXFLUX_INIT(cudaEventCreateWithFlags(&r.join, cudaEventDisableTiming));
+  const size_t flag_bytes = sizeof(uint64_t) * kMaxChannels * kMaxDevices;
+  JAXFLUX_INIT(cudaMalloc(reinterpret_cast<void**>(&r.ready_flags), flag_bytes));
+  JAXFLUX_INIT(cudaMalloc(reinterpret_cast<void**>(&r.landed_flags), flag_bytes));
+  // The only memsets ever: flags start at 0 and epochs at 1, so every wait afterwards compares
+  // against a value that only grows.
+  JAXFLUX_INIT(cudaMemsetAsync(r.ready_flags, 0, flag_bytes, r.side));
+  JAXFLUX_INIT(cudaMemsetAsync(r.landed_flags, 0, flag_bytes, r.side));
+  JAXFLUX_INIT(cudaStreamSynchronize(r.side));
+#undef JAXFLUX_INIT
+  r.ready.store(true, std::memory_order_release);
+  return cudaSuccess;
+}
+
+}  // namespace
+
+namespace runtime_internal {
+
+std::string CudaCall(const char* call, cudaError_t err) {
+  return std::string(call) + " failed: " + cudaGetErrorString(err);
+}
+
+std::mutex& WorkspaceMutex() { return g_workspace_mu; }
+int64_t NumGenerations() { return g_num_generations.load(std::memory_order_acquire); }
+char*& ArenaEntry(int64_t generation, int slot) { return g_arenas[generation][slot]; }
+DeviceResources& DeviceEntry(int slot) { return g_devices[slot]; }
+
+}  // namespace runtime_internal
+
+DeviceGuard::DeviceGuard(int ordinal) {
+  status_ = cudaGetDevice(&previous_);
+  if (status_ == cudaSuccess && previous_ != ordinal) status_ = cudaSetDevice(ordinal);
+}
+
+DeviceGuard::~DeviceGuard() {
+  int now = -1;
+  if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != previous_) {
+    cudaSetDevice(previous_);
+  }
+}
+
+int DeviceSmCount(int ordinal) {
+  int count = 0;
+  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, ordinal) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
+std::optional<int64_t> EnsureWorkspace(const std::vector<int>& ordinals, size_t bytes,
+                                       size_t minimum_bytes, std::string* error) {
+  std::lock_guard<std::mutex> lock(g_workspace_mu);
+  const int64_t n = g_num_generations.load();
+  for (int ordinal : ordinals) {
+    if (ordinal < 0 || ordinal >= kMaxDevices || SlotOfOrdinal(ordinal) < 0 ||
+        SlotOfOrdinal(ordinal) >= kMaxDevices) {
+      *error = "jaxflux: device ordinal " + std::to_string(ordinal) + " (host slot " +
+               std::to_string(SlotOfOrdinal(ordinal)) + ") out of range 0.." +
+               std::to_string(kMaxDevices - 1);
+      return std::nullopt;
+    }
+  }
+  for (int ordinal : ordinals) {
+    std::string failed;
+    if (cudaError_t err = InitDeviceResources(ordinal, &failed); err != cudaSuccess) {
+      (void)cudaGetLastError();
+      *error = "jaxflux: setting up GPU " + std::to_string(ordinal) + ": " +
+               CudaCall(failed.c_str(), err);
+      return std::nullopt;
+    }
+  }
+  if (n > 0 && g_generation_bytes[n - 1] >= bytes) {
+    bool all = true;
+    for (int ordinal : ordinals) all = all && g_arenas[n - 1][SlotOfOrdinal(ordinal)] != nullptr;
+    if (all) return n - 1;
+  }
+  if (n >= kMaxGenerations) {
+    *error = "jaxflux: the workspace grew " + std::to_string(kMaxGenerations) +
+             " times; reserve it up front with jaxflux.configure(workspace_bytes=...)";
+    return std::nullopt;
+  }
+  size_t want = std::max({bytes, minimum_bytes, n > 0 ? g_generation_bytes[n - 1] : size_t{0}});
+  want = (want + kArenaAlignment - 1) / kArenaAlignment * kArenaAlignment;
+  std::array<char*, kMaxDevices> arenas{};
+  for (int ordinal : ordinals) {
+    for (int peer : ordinals) {
+      cudaError_t err = EnablePeer(ordinal, peer);
+      if (err != cudaSuccess) {
+        *error = "jaxflux: peer access from GPU " + std::to_string(ordinal) + " to GPU " +
+                 std::to_string(peer) + ": " + CudaCall("cudaDeviceEnablePeerAccess", err) +
+                 ". The fused ops need all GPUs of a group linked (NVLink or PCIe P2P).";
+        return std::nullopt;
+      }
+    }
+    DeviceGuard guard(ordinal);
+    void* ptr = nullptr;
+    cudaError_t err = guard.status() != cudaSuccess ? guard.status() : cudaMalloc(&ptr, want);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      for (int o : ordinals) {
+        if (arenas[SlotOfOrdinal(o)] != nullptr) {
+          DeviceGuard g(o);
+          cudaFree(arenas[SlotOfOrdinal(o)]);  // never published, so nothing can be using it
+        }
+      }
+      size_t free_b = 0, total_b = 0;
+      cudaMemGetInfo(&free_b, &total_b);
+      (void)cudaGetLastError();
+      *error = "jaxflux: could not allocate the symmetric workspace: " + FormatMiB(want) +
+               " on GPU " + std::to_string(ordinal) + " (" + CudaCall("cudaMalloc", err) +
+               "; " + FormatMiB(free_b) + " free outside XLA's pool). The workspace lives "
+               "outside XLA's allocator, which by default takes 75% of GPU memory up front: "
+               "lower XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. 0.70) or set "
+               "XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts; to grow it once instead "
+               "of per shape, call jaxflux.configure(workspace_bytes=...) with the largest need.";
+      return std::nullopt;
+    }
+    arenas[SlotOfOrdinal(ordinal)] = static_cast<char*>(ptr);
+  }
+  // Slots not in `ordinals` inherit the previous generation's arena (still alive) so that a
+  // generation's table is never sparser than the one before it. (Another process's GPUs get
+  // theirs from ImportPeer.)
+  for (int d = 0; d < kMaxDevices; ++d) {
+    if (arenas[d] == nullptr && n > 0 && g_generation_bytes[n - 1] >= want) {
+      arenas[d] = g_arenas[n - 1][d];
+    }
+  }
+  g_arenas[n] = arenas;
+  g_generation_bytes[n] = want;
+  g_num_generations.store(n + 1, std::memory_order_release);
+  return n;
+}
+
+size_t WorkspaceBytes(int64_t generation) {
+  if (generation < 0 || generation >= g_num_generations.load(std::memory_order_acquire)) return 0;
+  return g_generation_bytes[generation];
+}
+
+char* WorkspaceArena(int64_t generation, int slot) {
+  if (generation < 0 || generation >= g_num_generations.load(std::memory_order_acquire) ||
+      slot < 0 || slot >= kMaxDevices) {
+    return nullptr;
+  }
+  return g_arenas[generation][slot];
+}
+
+uint64_t NextEpoch(int channel, int slot) {
+  return g_epochs[channel][slot].fetch_add(1) + 1;
+}
+
+void SetSlot(int ordinal, int slot) {
+  if (ordinal >= 0 && ordinal < kMaxDevices) g_slot_plus_one[ordinal].store(slot + 1);
+}
+
+int SlotOfOrdinal(int ordinal) {
+  if (ordinal < 0 || ordinal >= kMaxDevices) return -1;
+  const int stored = g_slot_plus_one[ordinal].load();
+  return stored == 0 ? ordinal : stored - 1;
+}
+
+void SetHostIndex(int host) { g_host_index.store(host); }
+int HostIndex() { return g_host_index.load(); }
+
+cudaError_t GetDeviceResources(int slot, DeviceResources** out, std::string* failed_call) {
+  if (slot < 0 || slot >= kMaxDevices || !g_devices[slot].ready.load()) {
+    *failed_call = "jaxflux: no runtime resources for host slot " + std::to_string(slot) +
+                   " (the op must be traced through jaxflux, which sets them up)";
+    return cudaErrorInvalidDevice;
+  }
+  *out = &g_devices[slot];
+  return cudaSuccess;
+}
+
+}  // namespace jaxflux
