@@ -1,4 +1,5 @@
-"""The README's Python examples run as written (they share one namespace, top to bottom)."""
+"""The README: its Python examples run as written (they share one namespace, top to bottom), it
+keeps the two commands and the generated tables' markers, and names no removed setting."""
 import pathlib
 import re
 
@@ -22,3 +23,27 @@ def test_readme_python_blocks_run():
   want = np.asarray(ns["jax"].nn.gelu(jnp.asarray(x) @ w1)) @ w2
   np.testing.assert_allclose(ns["f"](x, w1, w2), want, rtol=1e-4, atol=1e-3)
   assert "params" in ns["params"]
+
+
+COMMANDS = (
+    'python3 -m venv .venv && .venv/bin/pip install -e ".[test]" && '
+    '.venv/bin/python examples/train_tp_transformer.py',
+    'python3 -m venv .venv && .venv/bin/pip install -e ".[test]" && .venv/bin/python -m pytest -q',
+)
+
+
+def test_readme_keeps_the_two_commands_and_the_table_markers():
+  text = README.read_text()
+  lines = text.splitlines()
+  for command in COMMANDS:
+    assert command in lines, f"README lost the command: {command}"
+  for table in ("ops_h200x2", "gemm_h200"):
+    start, end = f"<!-- table:{table} -->", f"<!-- end table:{table} -->"
+    assert text.count(start) == 1 and text.count(end) == 1, table
+    assert text.index(start) < text.index(end), table
+
+
+def test_readme_names_only_existing_environment_variables():
+  # JAXFLUX_CUDA (build) and JAXFLUX_DEBUG (runtime) are the only ones there are.
+  names = set(re.findall(r"JAXFLUX_[A-Z0-9_]+", README.read_text()))
+  assert names <= {"JAXFLUX_CUDA", "JAXFLUX_DEBUG"}, names
