@@ -26,11 +26,10 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _enough_devices():
+def pytest_configure(config):
   # CI sets JAXFLUX_REQUIRE_8_DEVICES=1 so that a misconfigured run fails instead of skipping.
   if os.environ.get("JAXFLUX_REQUIRE_8_DEVICES") == "1" and len(jax.devices()) < 8:
-    pytest.fail(f"expected 8 devices, found {len(jax.devices())}: {jax.devices()}")
+    pytest.exit(f"expected 8 devices, found {len(jax.devices())}: {jax.devices()}", returncode=1)
 
 
 def make_mesh(shape, names, devices=None) -> Mesh:
