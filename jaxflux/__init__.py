@@ -2,8 +2,10 @@
 
 Ops (per-device view, inside `jax.shard_map`): `all_gather_matmul`, `matmul_reduce_scatter`.
 Flax layers (global view, under `jit` with a mesh): `jaxflux.Dense` (Linen), `jaxflux.nnx.Linear`.
+Kernel choices: `jaxflux.tuning` (the measured table, and `override` for measurement).
 """
 from jaxflux._runtime import check_errors, configure, has_cuda
+from jaxflux import tuning
 from jaxflux.ops import FusedKernelUnavailableError, all_gather_matmul, matmul_reduce_scatter
 
 __version__ = "0.2.0"
@@ -17,6 +19,7 @@ __all__ = [
     "has_cuda",
     "matmul_reduce_scatter",
     "nnx",
+    "tuning",
 ]
 
 
