@@ -310,7 +310,7 @@ def test_gemm_table_ratio_summary():
     r = bench.Row("gemm", name, M, 64, 64, 2, "bfloat16", of)
     samples = {v: [t, t * 1.1] for v, t in ms.items() if t is not None}
     return gemm_table.summarize_gemm_row(r, samples, {}, {}, {}, {}, 1)
-  rows = [row("ag_gemm", "a", 2048, {"xla": 1.0, "gemm_only": 1.05}),
+  rows = [row("ag_gemm", "a", 2048, {"xla": 1.0, "gemm_only": 1.05, "cutlass": 1.02}),
           row("ag_gemm", "a", 4096, {"xla": 2.0, "gemm_only": 1.9}),
           row("gemm_rs", "r", 2048, {"xla": 1.0, "gemm_only": 1.2, "xla_own_rows": 0.5,
                                      "own_rows": 0.55}),
@@ -325,6 +325,8 @@ def test_gemm_table_ratio_summary():
   assert ag["mean"] == pytest.approx((1.05 + 0.95) / 2) and ag["worst"] == pytest.approx(1.05)
   assert ag["worst_row"] == "a M=2048" and (ag["rows"], ag["of_rows"]) == (2, 2)
   assert "own_rows_vs_xla_own_rows" not in summary["ag_gemm"]
+  cutlass = summary["ag_gemm"]["cutlass_vs_xla"]  # measured on one of the two rows
+  assert (cutlass["rows"], cutlass["of_rows"]) == (1, 2) and cutlass["mean"] == pytest.approx(1.02)
   rs = summary["gemm_rs"]
   assert rs["gemm_only_vs_xla"]["rows"] == 1 and rs["gemm_only_vs_xla"]["of_rows"] == 2
   assert rs["own_rows_vs_xla_own_rows"]["mean"] == pytest.approx((1.1 + 0.9) / 2)
@@ -336,15 +338,16 @@ def test_gemm_table_run_with_fake_kernels(shapes_file, tmp_path, monkeypatch):
   from jaxflux.bench import gemm_table
   monkeypatch.setattr(gemm_table, "_gemm", _fake_gemm)
   result = _run("gemm", shapes_file, tmp_path / "g.json", "--M", "64")
-  assert result["settings"]["variants"] == ["xla", "gemm_only", "xla_own_rows", "own_rows"]
+  assert result["settings"]["variants"] == ["xla", "gemm_only", "cutlass", "xla_own_rows",
+                                            "own_rows"]
   assert result["env"] == {k: v for k, v in result["env"].items() if k == "XLA_FLAGS"}
   ag, rs = result["rows"]
   assert (ag["of"], rs["of"]) == ("ag_gemm", "gemm_rs") and ag["tp"] == rs["tp"] == 2
   for r in (ag, rs):
     assert all(t > 0 for t in r["ms"].values()), r["errors"]
     assert all(e < 1e-2 for e in r["rel_err"].values()) and set(r["rel_err"]) == set(r["ms"])
-    assert r["ratios"]["gemm_only_vs_xla"] == pytest.approx(
-        r["ms"]["gemm_only"] / r["ms"]["xla"], rel=1e-4)
+    for v in ("gemm_only", "cutlass"):
+      assert r["ratios"][f"{v}_vs_xla"] == pytest.approx(r["ms"][v] / r["ms"]["xla"], rel=1e-4)
   assert rs["ratios"]["own_rows_vs_xla_own_rows"] == pytest.approx(
       rs["ms"]["own_rows"] / rs["ms"]["xla_own_rows"], rel=1e-4)
   assert result["summary"]["gemm_rs"]["own_rows_vs_xla_own_rows"]["rows"] == 1

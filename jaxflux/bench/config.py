@@ -16,7 +16,7 @@ OP_VARIANTS = {
     "gemm_rs": ("xla", "gemm", "gemm_only", "comm", "jaxflux", "jaxflux_wt", "auto",
                 "xla_windowed", "xla_gspmd"),
     # One device: each row is one GEMM a device runs in the fused op at tp=2 (see gemm_table.py).
-    "gemm": ("xla", "gemm_only", "xla_own_rows", "own_rows"),
+    "gemm": ("xla", "gemm_only", "cutlass", "xla_own_rows", "own_rows"),
 }
 GEMM_VARIANTS = OP_VARIANTS["gemm"]
 # --op gemm's default token counts: where impl="auto" takes the fused kernels at tp=2.
@@ -51,6 +51,8 @@ DEFINITIONS = {
                 "--op gemm: against the variant's own product computed by XLA in float32"),
     "gemm_only_vs_xla": ("--op gemm: ms['gemm_only'] / ms['xla'] (> 1: the fused kernels' GEMM "
                          "work is slower than XLA's dot, i.e. cuBLAS, on the same operands)"),
+    "cutlass_vs_xla": ("--op gemm: ms['cutlass'] / ms['xla'] (CUTLASS's stock persistent GEMM "
+                       "against cuBLAS: how much of gemm_only_vs_xla is CUTLASS itself)"),
     "own_rows_vs_xla_own_rows": ("--op gemm, gemm_rs rows: ms['own_rows'] / ms['xla_own_rows'] "
                                  "(the own-rows kernel reading C against XLA's dot without C)"),
 }

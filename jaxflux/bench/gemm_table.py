@@ -5,10 +5,13 @@ dot (cuBLAS) on the same operands, variants interleaved as for the other ops:
   ag_gemm rows  [M, K] x [K, N/tp]
     xla           jnp.dot
     gemm_only     gemm(kernel="all_gather_matmul"): the AG+GEMM kernel with its waits off
+    cutlass       gemm(kernel="cutlass"): CUTLASS's stock persistent GEMM on the same operands,
+                  which tells the fused kernels' own costs apart from CUTLASS's against cuBLAS
   gemm_rs rows  [M, K/tp] x [K/tp, N]
     xla           jnp.dot
     gemm_only     the fused op's GEMM work with communication off: gemm(kernel="cutlass") on the
                   peer's M/2 rows, then gemm(kernel="own_rows", c=that partial) on the own M/2
+    cutlass       as for ag_gemm rows, on all M rows
     xla_own_rows  jnp.dot on the own rows [M/2, K/tp] x [K/tp, N] (no C)
     own_rows      gemm(kernel="own_rows", c=C) on the same rows: the own-rows kernel reading C
 Each variant's output is checked against the same product computed by XLA in float32.
@@ -24,9 +27,10 @@ from jaxflux.bench.rows import Row
 
 # (numerator, denominator) variants of each ratio a row reports; > 1: jaxflux's kernel is slower.
 RATIOS = {"gemm_only_vs_xla": ("gemm_only", "xla"),
+          "cutlass_vs_xla": ("cutlass", "xla"),
           "own_rows_vs_xla_own_rows": ("own_rows", "xla_own_rows")}
-ROW_VARIANTS = {"ag_gemm": ("xla", "gemm_only"),
-                "gemm_rs": ("xla", "gemm_only", "xla_own_rows", "own_rows")}
+ROW_VARIANTS = {"ag_gemm": ("xla", "gemm_only", "cutlass"),
+                "gemm_rs": ("xla", "gemm_only", "cutlass", "xla_own_rows", "own_rows")}
 
 
 def _gemm(x, w, **kwargs):
@@ -57,6 +61,8 @@ def variant_spec(name: str, row: Row):
     return f"not applicable to {row.of} rows"
   if name == "xla":
     return jnp.dot, ("x", "w"), _f32_dot
+  if name == "cutlass":
+    return (lambda x, w: _gemm(x, w, kernel="cutlass")), ("x", "w"), _f32_dot
   if name == "xla_own_rows":
     return jnp.dot, ("x_own", "w"), _f32_dot
   if name == "own_rows":
@@ -126,12 +132,13 @@ def _fmt(x, spec=".3f"):
 
 def format_gemm_table(result: dict) -> str:
   lines = [f"{'of':<8}{'name':<14}{'M':>7}{'xla':>9}{'gemm_only':>10}{'ratio':>7}"
-           f"{'xla_own':>9}{'own_rows':>9}{'ratio':>7}   (ms per call; ratio > 1: slower than "
+           f"{'cutlass':>9}{'ratio':>7}{'xla_own':>9}{'own_rows':>9}{'ratio':>7}   (ms per call; ratio > 1: slower than "
            "cuBLAS)"]
   for r in result["rows"]:
     ms, ratios = r["ms"], r["ratios"]
     lines.append(f"{r['of']:<8}{r['name']:<14}{r['M']:>7}{_fmt(ms.get('xla')):>9}"
                  f"{_fmt(ms.get('gemm_only')):>10}{_fmt(ratios.get('gemm_only_vs_xla')):>7}"
+                 f"{_fmt(ms.get('cutlass')):>9}{_fmt(ratios.get('cutlass_vs_xla')):>7}"
                  f"{_fmt(ms.get('xla_own_rows')):>9}{_fmt(ms.get('own_rows')):>9}"
                  f"{_fmt(ratios.get('own_rows_vs_xla_own_rows')):>7}")
   for of, stats in result.get("summary", {}).items():
