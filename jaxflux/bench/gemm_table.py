@@ -24,6 +24,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxflux.bench.rows import Row
+from jaxflux.bench.table import fmt, error_lines
 
 # (numerator, denominator) variants of each ratio a row reports; > 1: jaxflux's kernel is slower.
 RATIOS = {"gemm_only_vs_xla": ("gemm_only", "xla"),
@@ -126,28 +127,21 @@ def summarize_table(rows: list[dict]) -> dict[str, Any]:
   return out
 
 
-def _fmt(x, spec=".3f"):
-  return "-" if x is None else format(x, spec)
-
-
 def format_gemm_table(result: dict) -> str:
   lines = [f"{'of':<8}{'name':<14}{'M':>7}{'xla':>9}{'gemm_only':>10}{'ratio':>7}"
            f"{'cutlass':>9}{'ratio':>7}{'xla_own':>9}{'own_rows':>9}{'ratio':>7}   (ms per call; ratio > 1: slower than "
            "cuBLAS)"]
   for r in result["rows"]:
     ms, ratios = r["ms"], r["ratios"]
-    lines.append(f"{r['of']:<8}{r['name']:<14}{r['M']:>7}{_fmt(ms.get('xla')):>9}"
-                 f"{_fmt(ms.get('gemm_only')):>10}{_fmt(ratios.get('gemm_only_vs_xla')):>7}"
-                 f"{_fmt(ms.get('cutlass')):>9}{_fmt(ratios.get('cutlass_vs_xla')):>7}"
-                 f"{_fmt(ms.get('xla_own_rows')):>9}{_fmt(ms.get('own_rows')):>9}"
-                 f"{_fmt(ratios.get('own_rows_vs_xla_own_rows')):>7}")
+    lines.append(f"{r['of']:<8}{r['name']:<14}{r['M']:>7}{fmt(ms.get('xla')):>9}"
+                 f"{fmt(ms.get('gemm_only')):>10}{fmt(ratios.get('gemm_only_vs_xla')):>7}"
+                 f"{fmt(ms.get('cutlass')):>9}{fmt(ratios.get('cutlass_vs_xla')):>7}"
+                 f"{fmt(ms.get('xla_own_rows')):>9}{fmt(ms.get('own_rows')):>9}"
+                 f"{fmt(ratios.get('own_rows_vs_xla_own_rows')):>7}")
   for of, stats in result.get("summary", {}).items():
     for key, s in stats.items():
-      lines.append(f"{of} {key}: mean {_fmt(s['mean'])}, worst {_fmt(s['worst'])} "
+      lines.append(f"{of} {key}: mean {fmt(s['mean'])}, worst {fmt(s['worst'])} "
                    f"({s['worst_row'] or '-'}), {s['rows']} of {s['of_rows']} rows")
-  notes = sorted({f"{v}: {e}" for r in result["rows"] for v, e in r["errors"].items()
-                  if e != "not requested" and not e.startswith("not applicable")})
-  if notes:
-    lines.append("null variants / errors:")
-    lines.extend("  " + (n if len(n) < 200 else n[:200] + "...") for n in notes)
+  lines.extend(error_lines(result["rows"], quiet=lambda e: e == "not requested"
+                           or e.startswith("not applicable")))
   return "\n".join(lines)

@@ -4,8 +4,19 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
-def _fmt(x, spec=".3f"):
+def fmt(x, spec=".3f") -> str:
+  """x with `spec`, "-" for a missing value."""
   return "-" if x is None else format(x, spec)
+
+
+def error_lines(rows: list[dict], quiet=lambda error: error == "not requested") -> list[str]:
+  """The table's closing lines: each distinct variant error of the rows, cut at 200
+  characters, under a heading; none when every error is `quiet`."""
+  notes = sorted({f"{v}: {e}" for r in rows for v, e in r["errors"].items() if not quiet(e)})
+  if not notes:
+    return []
+  return ["null variants / errors:"] + ["  " + (n if len(n) < 200 else n[:200] + "...")
+                                         for n in notes]
 
 
 def format_table(result: dict) -> str:
@@ -20,10 +31,10 @@ def format_table(result: dict) -> str:
     lines.append(head)
     for r in rows:
       mib = r["M"] // r["tp"] * r["K"] * jnp.dtype(r["dtype"]).itemsize / 2**20
-      lines.append(f"{r['name']:<28}{r['M']:>7}{r['K']:>7}{mib:>9.2f}{_fmt(r['ms']['xla']):>9}"
-                   f"{_fmt(r['ms'].get('jaxflux')):>9}{_fmt(r['gbps']['xla'], '.1f'):>10}"
-                   f"{_fmt(r['gbps'].get('jaxflux'), '.1f'):>9}"
-                   f"{_fmt(r['speedup_vs_xla'], '.3f'):>9}")
+      lines.append(f"{r['name']:<28}{r['M']:>7}{r['K']:>7}{mib:>9.2f}{fmt(r['ms']['xla']):>9}"
+                   f"{fmt(r['ms'].get('jaxflux')):>9}{fmt(r['gbps']['xla'], '.1f'):>10}"
+                   f"{fmt(r['gbps'].get('jaxflux'), '.1f'):>9}"
+                   f"{fmt(r['speedup_vs_xla'], '.3f'):>9}")
   else:
     cols = [v for v in ("gemm", "gemm_only", "comm", "xla", "xla_windowed", "pallas", "jaxflux",
                         "jaxflux_wt", "auto", "xla_gspmd") if v in rows[0]["ms"]]
@@ -34,14 +45,10 @@ def format_table(result: dict) -> str:
     lines.append(head + "   (ms per call; E = overlap efficiency)")
     for r in rows:
       line = f"{r['name']:<16}{r['M']:>7}{r['K']:>7}{r['N']:>7}"
-      line += "".join(f"{_fmt(r['ms'].get(c)):>9}" for c in cols)
-      line += f"{_fmt(r['tflops'].get('jaxflux'), '.0f'):>9}{_fmt(r['speedup_vs_xla']):>7}"
-      line += f"{_fmt(r['overlap_efficiency'], '.2f'):>7}"
-      line += f"{_fmt(r['overlap_efficiency_all'].get('xla'), '.2f'):>7}"
+      line += "".join(f"{fmt(r['ms'].get(c)):>9}" for c in cols)
+      line += f"{fmt(r['tflops'].get('jaxflux'), '.0f'):>9}{fmt(r['speedup_vs_xla']):>7}"
+      line += f"{fmt(r['overlap_efficiency'], '.2f'):>7}"
+      line += f"{fmt(r['overlap_efficiency_all'].get('xla'), '.2f'):>7}"
       lines.append(line)
-  notes = sorted({f"{v}: {e}" for r in rows for v, e in r["errors"].items()
-                  if e not in ("not requested",)})
-  if notes:
-    lines.append("null variants / errors:")
-    lines.extend("  " + (n if len(n) < 200 else n[:200] + "...") for n in notes)
+  lines.extend(error_lines(rows))
   return "\n".join(lines)
