@@ -33,8 +33,9 @@ def platform_reason(axis_name: str | None = None) -> str | None:
   """Why no fused GPU kernel can run in this process (for a communicating op: over the mesh
   axis `axis_name`), or None."""
   if not _runtime.cuda_built():
-    return ("this jaxflux build has no CUDA kernels (installed without nvcc, or with "
-            "JAXFLUX_CUDA=OFF); reinstall on a machine with the CUDA toolkit.")
+    return ("this jaxflux build has no CUDA kernels (installed where nvcc or a Hopper GPU was "
+            "missing, or with JAXFLUX_CUDA=OFF); reinstall with the CUDA toolkit and "
+            "JAXFLUX_CUDA=ON.")
   if not _runtime.has_cuda():
     return "no CUDA GPU is visible to JAX (jax.local_devices(backend='gpu') is empty)."
   others = sorted(_runtime.gpu_compute_capabilities() - {HOPPER_COMPUTE_CAPABILITY})
