@@ -1,5 +1,6 @@
-"""The fused kernels' GEMMs on one GPU (jaxflux.ops.gemm: CUTLASS's persistent GEMM, the AG+GEMM
-kernel and GEMM+RS's own-rows kernel, communication off) against a float32 reference."""
+"""The fused kernels' GEMMs on one GPU (jaxflux.ops.gemm: CUTLASS's persistent and stream-K
+GEMMs, the AG+GEMM kernel and GEMM+RS's own-rows kernel, communication off) against a float32
+reference."""
 import functools
 
 import jax
@@ -173,3 +174,43 @@ def test_own_rows_kernel_unavailable_without_gpu():
                    jax.ShapeDtypeStruct((64, 16), jnp.bfloat16),
                    jax.ShapeDtypeStruct((16, 64), jnp.bfloat16),
                    jax.ShapeDtypeStruct((64, 64), jnp.bfloat16))
+
+
+def _all_reduce_gemm(x, w, *, tile, transpose_w=False):
+  """GEMM+AllReduce's GEMM with its tile forced, traced right here."""
+  with tuning.override("matmul_all_reduce", tile=tile):
+    f = jax.jit(functools.partial(gemm, kernel="matmul_all_reduce", transpose_w=transpose_w))
+    return f(x, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("tile", tuning.AR_TILES)
+@pytest.mark.parametrize("transpose_w", [False, True])
+@pytest.mark.parametrize("x_shape,n", [
+    ((1, 4096), 8192),       # decode: one token, the weight read is everything
+    ((8, 14336), 8192),      # llama70b-fc2 per device at tp=2, a few tokens
+    ((128, 2048), 1024),     # one tile row
+    ((2, 3, 264), 136),      # batch dims, M, K, N not multiples of the tile
+    ((2048, 1024), 2048),
+])
+def test_all_reduce_gemm_matches_float32_reference(dtype, tile, transpose_w, x_shape, n):
+  """Both tiles of GEMM+AllReduce's GEMM (CUTLASS's persistent 128x256 and its stream-K 128x128,
+  which splits K across SMs when there are few output tiles), at decode and prefill sizes."""
+  x, w = gpu_util.operands(7, x_shape, (x_shape[-1], n), dtype)
+  got = _all_reduce_gemm(x, jnp.asarray(w.T) if transpose_w else w, tile=tile,
+                         transpose_w=transpose_w)
+  assert got.shape == x_shape[:-1] + (n,) and got.dtype == dtype
+  assert rel_err(got, reference(x, w)) <= TOL[dtype]
+
+
+@pytest.mark.gpu
+def test_stream_k_gemm_is_bitwise_deterministic():
+  """Stream-K sums the K splits of a tile in a fixed order (CUTLASS's deterministic reduction),
+  so GEMM+AllReduce's replicas stay equal run to run."""
+  for seed, shape in ((0, (1, 8192)), (1, (64, 14336))):
+    x, w = gpu_util.operands(seed, shape, (shape[-1], 4096), jnp.bfloat16)
+    first = np.asarray(_all_reduce_gemm(x, w, tile="cooperative_128x128_streamk"))
+    for _ in range(3):
+      again = np.asarray(_all_reduce_gemm(x, w, tile="cooperative_128x128_streamk"))
+      np.testing.assert_array_equal(first, again)

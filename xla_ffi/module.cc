@@ -17,6 +17,7 @@
 #include "xla_ffi/ffi/device_clock.h"
 #include "xla_ffi/ffi/device_slot.h"
 #include "xla_ffi/ffi/gemm.h"
+#include "xla_ffi/ffi/gemm_ar.h"
 #include "xla_ffi/ffi/gemm_rs.h"
 #include "xla_ffi/ffi/rank_state_type.h"
 #include "xla_ffi/runtime/runtime.h"
@@ -46,7 +47,7 @@ NB_MODULE(_jaxflux, m) {
   m.def("registrations", []() {
     nb::dict registrations;
 #ifdef JAXFLUX_WITH_CUDA
-    // The three group targets are stateful: one rank state per executable instance, created by
+    // The four group targets are stateful: one rank state per executable instance, created by
     // the same instantiate stage.
     auto stateful = [](auto* execute) {
       nb::dict stages;
@@ -57,6 +58,7 @@ NB_MODULE(_jaxflux, m) {
     registrations["jaxflux_all_gather"] = stateful(JaxfluxAllGatherExecute);
     registrations["jaxflux_all_gather_matmul"] = stateful(JaxfluxAgGemmExecute);
     registrations["jaxflux_matmul_reduce_scatter"] = stateful(JaxfluxGemmRsExecute);
+    registrations["jaxflux_matmul_all_reduce"] = stateful(JaxfluxGemmArExecute);
     registrations["jaxflux_gemm"] = Capsule(JaxfluxGemm);
     registrations["jaxflux_device_clock"] = Capsule(JaxfluxDeviceClock);
     registrations["jaxflux_device_slot"] = Capsule(JaxfluxDeviceSlot);

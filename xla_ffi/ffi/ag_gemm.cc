@@ -30,6 +30,7 @@
 #include "xla_ffi/ffi/errors.h"
 #include "xla_ffi/ffi/group.h"
 #include "xla_ffi/ffi/group_call.h"
+#include "xla_ffi/ffi/scratch.h"
 #include "xla_ffi/ffi/tile_wait_setup.h"
 #include "xla_ffi/kernels/ag_gemm_sm90.h"
 #include "xla_ffi/runtime/runtime.h"
@@ -222,13 +223,8 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   SetChunkEnds(&wait, chunk_ends, static_cast<int>(num_chunks));
   wait.tp = static_cast<int>(tp);
   void* gemm_workspace = nullptr;
-  if (const size_t bytes = AgGemmSm90WorkspaceBytes(s.dtype, problem); bytes > 0) {
-    auto allocation = scratch.Allocate(bytes, 256);
-    if (!allocation.has_value()) {
-      return Fail("could not allocate " + std::to_string(bytes) + " bytes of GEMM scratch");
-    }
-    gemm_workspace = *allocation;
-  }
+  JAXFLUX_RETURN_IF_ERROR(AllocateScratch(kOp, scratch, AgGemmSm90WorkspaceBytes(s.dtype, problem),
+                                          &gemm_workspace));
   if (const char* failure = AgGemmSm90(s.dtype, problem, gemm_workspace, stream)) {
     return Fail(failure);
   }

@@ -203,7 +203,7 @@ ffi::Error AllGather(cudaStream_t stream, int32_t ordinal, RankState* state, ffi
 }  // namespace
 }  // namespace jaxflux
 
-// The instantiate stage of all three group targets: the per-executable rank state.
+// The instantiate stage of every group target: the per-executable rank state.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfluxRankStateInstantiate, jaxflux::RankStateInstantiate,
                               xla::ffi::Ffi::BindInstantiate());
 

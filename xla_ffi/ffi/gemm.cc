@@ -1,7 +1,8 @@
 // jaxflux_gemm: the GEMMs of the fused ops with communication off, D[..., M, N] = A[..., M, K] ·
 // B[K, N] (B [N, K] with transpose_w; leading axes of A fold into M). A benchmark feature: it
 // measures what fusion costs each GEMM against XLA's dot (cuBLAS).
-//   kernel 0: CUTLASS's persistent GEMM (the kernel GEMM+ReduceScatter runs for peers' rows);
+//   kernel 0: CUTLASS's GEMM (GEMM+ReduceScatter's peer rows, GEMM+AllReduce): tile 0 the
+//             persistent 128x256 one, tile 1 stream-K 128x128;
 //   kernel 1: the AllGather+GEMM kernel with its waits off (one shard, no rotation);
 //   kernel 2: GEMM+ReduceScatter's own-rows kernel with its waits off, D = A·B + C.
 // The kernel's choices (tile, schedule, swizzle, grid) come as attributes, chosen by
@@ -17,6 +18,7 @@
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/ffi/errors.h"
 #include "xla_ffi/ffi/push_plan.h"
+#include "xla_ffi/ffi/scratch.h"
 #include "xla_ffi/ffi/tile_wait_setup.h"
 #include "xla_ffi/kernels/ag_gemm_sm90.h"
 #include "xla_ffi/kernels/gemm_sm90.h"
@@ -89,19 +91,6 @@ ffi::Error CheckLaunch(const char* failure) {
   return ffi::Error::Success();
 }
 
-// `bytes` of CUTLASS workspace from XLA's scratch allocator (none for 0) into *workspace.
-ffi::Error AllocateWorkspace(ffi::ScratchAllocator& scratch, size_t bytes, void** workspace) {
-  *workspace = nullptr;
-  if (bytes == 0) return ffi::Error::Success();
-  auto allocation = scratch.Allocate(bytes, 256);
-  if (!allocation.has_value()) {
-    return ffi::Error::Internal("jaxflux gemm: could not allocate " + std::to_string(bytes) +
-                               " bytes of scratch");
-  }
-  *workspace = *allocation;
-  return ffi::Error::Success();
-}
-
 ffi::Error CheckChoices(int64_t kernel, int64_t transpose_w, int64_t tile,
                         int64_t own_rows_schedule, int64_t push_chunks, int64_t swizzle,
                         int64_t grid_sms) {
@@ -143,8 +132,9 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
   void* workspace = nullptr;
   const char* failure = nullptr;
   if (kernel == kCutlass) {
+    problem.streamk = tile == 1;
     JAXFLUX_RETURN_IF_ERROR(
-        AllocateWorkspace(scratch, GemmSm90WorkspaceBytes(dtype, problem), &workspace));
+        AllocateScratch(kOp, scratch, GemmSm90WorkspaceBytes(dtype, problem), &workspace));
     failure = GemmSm90(dtype, problem, workspace, stream);
   } else if (kernel == kAllGatherMatmul) {  // one shard (no rotation), waits off
     AgGemmProblem fused{};
@@ -155,7 +145,7 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
     fused.wait.rows_per_shard = static_cast<int>(m);
     fused.wait.chunk_ends[0] = static_cast<int>(m);  // one chunk (no waits anyway)
     JAXFLUX_RETURN_IF_ERROR(
-        AllocateWorkspace(scratch, AgGemmSm90WorkspaceBytes(dtype, fused), &workspace));
+        AllocateScratch(kOp, scratch, AgGemmSm90WorkspaceBytes(dtype, fused), &workspace));
     failure = AgGemmSm90(dtype, fused, workspace, stream);
   } else {  // kOwnRows: D = A·B + C, no peer and no waits
     RsGemmProblem own{};
@@ -171,7 +161,7 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
       SetChunkEnds(&own.wait, chunks.ends, chunks.count);
     }
     JAXFLUX_RETURN_IF_ERROR(
-        AllocateWorkspace(scratch, RsGemmSm90WorkspaceBytes(dtype, own), &workspace));
+        AllocateScratch(kOp, scratch, RsGemmSm90WorkspaceBytes(dtype, own), &workspace));
     failure = RsGemmSm90(dtype, own, workspace, stream);
   }
   return CheckLaunch(failure);
@@ -192,7 +182,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()                     // d: [..., M, N]
         .Attr<int64_t>("kernel")                        // 0 CUTLASS, 1 AG+GEMM, 2 own rows
         .Attr<int64_t>("transpose_w")                   // 1: b is [N, K], read K-major
-        .Attr<int64_t>("tile")                          // kernel 1: AgGemmConfig
+        .Attr<int64_t>("tile")                          // 0: 1 stream-K; 1: AgGemmConfig
         .Attr<int64_t>("own_rows_schedule")             // kernel 2: 0 cooperative, 1 ping-pong
         .Attr<int64_t>("push_chunks")                   // kernel 2: 1 tiles along N, as chunked
         .Attr<int64_t>("swizzle")                       // 1, 2, 4 or 8

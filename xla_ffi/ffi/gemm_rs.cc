@@ -28,14 +28,15 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <limits>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/ffi/errors.h"
 #include "xla_ffi/ffi/group.h"
 #include "xla_ffi/ffi/group_call.h"
+#include "xla_ffi/ffi/matmul_operands.h"
 #include "xla_ffi/ffi/push_plan.h"
+#include "xla_ffi/ffi/scratch.h"
 #include "xla_ffi/ffi/tile_wait_setup.h"
 #include "xla_ffi/kernels/gemm_sm90.h"
 #include "xla_ffi/kernels/reduce_kernels.h"
@@ -58,10 +59,8 @@ ffi::Error Fail(const std::string& what) { return OpError(kOp, what); }
 
 #define JAXFLUX_CUDA(call) JAXFLUX_RETURN_IF_CUDA_ERROR(kOp, call)
 
-struct Shapes {
-  size_t batch = 0, rows = 0, m = 0, k = 0, n = 0, elem = 0;  // rows = M, m = M / tp
-  GemmDtype dtype = GemmDtype::kBF16;
-  bool w_kmajor = false;  // w holds the weight transposed, [N, K] (transpose_w)
+struct Shapes : MatmulOperands {
+  size_t m = 0;  // M / tp, the rows each owner gets
 };
 
 // The kernel choices, as the attributes give them (chosen by jaxflux/tuning).
@@ -74,51 +73,25 @@ struct Choices {
   int grid_sms = 0;
 };
 
+// The operands, with the group's checks: tp in range, M dividing by it, z [..., M/tp, N].
 ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer z, int64_t tp,
                        int64_t transpose_w, Shapes* s) {
-  auto invalid = [](const std::string& what) {
-    return ffi::Error::InvalidArgument("jaxflux matmul_reduce_scatter: " + what);
-  };
-  const auto dt = x.element_type();
-  if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) {
-    return invalid("x must be bfloat16 or float16");
-  }
-  if (w.element_type() != dt || z.element_type() != dt) {
-    return invalid("x, w and z need one dtype");
-  }
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  s->w_kmajor = transpose_w != 0;
-  const int k_dim = s->w_kmajor ? 1 : 0;
-  if (xd.size() < 2 || wd.size() != 2 || xd.back() != wd[k_dim]) {
-    return invalid("expected x [..., M, K] and w [K, N] (or [N, K] with transpose_w)");
-  }
+  JAXFLUX_RETURN_IF_ERROR(ReadMatmulOperands(kOp, x, w, z, transpose_w, s));
   if (tp < 2 || tp > kReduceMaxRanks) {
     return InvalidAttr(kOp, "tp", tp, "must be in 2.." + std::to_string(kReduceMaxRanks));
   }
-  s->rows = static_cast<size_t>(xd[xd.size() - 2]);
-  s->k = static_cast<size_t>(wd[k_dim]);
-  s->n = static_cast<size_t>(wd[1 - k_dim]);
-  s->elem = ffi::ByteWidth(dt);
-  s->dtype = dt == ffi::DataType::BF16 ? GemmDtype::kBF16 : GemmDtype::kF16;
-  if (s->rows == 0 || s->k == 0 || s->n == 0) return invalid("empty operands are not supported");
+  auto invalid = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("jaxflux matmul_reduce_scatter: " + what);
+  };
   if (s->rows % static_cast<size_t>(tp)) return invalid("M must divide by tp");
-  if (s->k % 8 || s->n % 8) return invalid("K and N must be multiples of 8 (16-byte rows)");
   s->m = s->rows / static_cast<size_t>(tp);
-  s->batch = x.element_count() / (s->rows * s->k);
-  if (s->batch * s->rows > static_cast<size_t>(std::numeric_limits<int>::max()) ||
-      s->n > static_cast<size_t>(std::numeric_limits<int>::max()) ||
-      s->k > static_cast<size_t>(std::numeric_limits<int>::max())) {
-    return invalid("a dimension exceeds 2^31-1");
-  }
   if (z.element_count() != s->batch * s->m * s->n) return invalid("z must be [..., M/tp, N]");
   return ffi::Error::Success();
 }
 
-ffi::Error CheckChoices(const Shapes& s, int64_t tp, int64_t transpose_w, int64_t reduce,
+ffi::Error CheckChoices(const Shapes& s, int64_t tp, int64_t reduce,
                         int64_t push_chunks, int64_t own_rows_schedule, int64_t own_rows_swizzle,
                         int64_t peer_rows_swizzle, int64_t grid_sms, Choices* c) {
-  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "transpose_w", transpose_w, {0, 1}));
   JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "reduce", reduce, {0, 1}));
   if (reduce == 1 && tp != 2) {
     return InvalidAttr(kOp, "reduce", reduce,
@@ -154,7 +127,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   Shapes s;
   JAXFLUX_RETURN_IF_ERROR(CheckInputs(x, w, *z, tp, transpose_w, &s));
   Choices choice;
-  JAXFLUX_RETURN_IF_ERROR(CheckChoices(s, tp, transpose_w, reduce, push_chunks,
+  JAXFLUX_RETURN_IF_ERROR(CheckChoices(s, tp, reduce, push_chunks,
                                        own_rows_schedule, own_rows_swizzle, peer_rows_swizzle,
                                        grid_sms, &choice));
   const size_t partial_bytes = s.batch * s.m * s.n * s.elem;  // one owner's rows of x · w
@@ -216,16 +189,11 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     own.pingpong = choice.pingpong ? 1 : 0;
   }
   void* gemm_workspace = nullptr;
-  if (const size_t bytes = std::max(GemmSm90WorkspaceBytes(s.dtype, problem),
-                                    epilogue_reduce ? RsGemmSm90WorkspaceBytes(s.dtype, own)
-                                                    : size_t{0});
-      bytes > 0) {
-    auto allocation = scratch.Allocate(bytes, 256);
-    if (!allocation.has_value()) {
-      return Fail("could not allocate " + std::to_string(bytes) + " bytes of GEMM scratch");
-    }
-    gemm_workspace = *allocation;
-  }
+  JAXFLUX_RETURN_IF_ERROR(AllocateScratch(
+      kOp, scratch,
+      std::max(GemmSm90WorkspaceBytes(s.dtype, problem),
+               epilogue_reduce ? RsGemmSm90WorkspaceBytes(s.dtype, own) : size_t{0}),
+      &gemm_workspace));
   for (int i = 1; i <= tp; ++i) {
     const int p = (rank + i) % tp;  // peers first (they wait for us), own rows last
     if (p == rank && epilogue_reduce) {

@@ -35,6 +35,8 @@ struct TileConfig {
 };
 
 using DefaultTiles = TileConfig<128, 256, 2, 1, false>;
+// GemmProblem::streamk: narrower tiles, no cluster, CUTLASS's stream-K scheduler.
+using StreamKTiles = TileConfig<128, 128, 1, 1, false>;
 
 // B's layouts: [K,N] row-major (N-major), or given as Bᵀ [N,K] row-major (K-major).
 using NMajorB = cutlass::layout::RowMajor;
@@ -127,24 +129,37 @@ const char* Launch(const typename C::Gemm::Arguments& args, void* workspace,
   return nullptr;
 }
 
-template <class Element>
-size_t WorkspaceBytes(const GemmProblem& p) {
-  if (p.b_kmajor) {
-    using C = Config<Element, void, DefaultTiles, void, KMajorB>;
-    return C::Gemm::get_workspace_size(MakeArguments<C>(p));
+// MakeArguments plus the scheduler's own: the stream-K scheduler splits every output tile along K
+// across the SMs. (Its heuristic keeps tiles whole once they fill half the SMs, which leaves the
+// other half idle while a decode-sized GEMM reads the weight.)
+template <class C, class Scheduler>
+typename C::Gemm::Arguments ArgumentsFor(const GemmProblem& p) {
+  auto args = MakeArguments<C>(p);
+  if constexpr (std::is_same_v<Scheduler, cutlass::gemm::StreamKScheduler>) {
+    using Mode = std::remove_reference_t<decltype(args.scheduler.decomposition_mode)>;
+    args.scheduler.decomposition_mode = Mode::StreamK;
   }
-  using C = Config<Element>;
-  return C::Gemm::get_workspace_size(MakeArguments<C>(p));
+  return args;
 }
 
-template <class Element>
+template <class Element, class Tiles = DefaultTiles, class Scheduler = void>
+size_t WorkspaceBytes(const GemmProblem& p) {
+  if (p.b_kmajor) {
+    using C = Config<Element, Scheduler, Tiles, void, KMajorB>;
+    return C::Gemm::get_workspace_size(ArgumentsFor<C, Scheduler>(p));
+  }
+  using C = Config<Element, Scheduler, Tiles>;
+  return C::Gemm::get_workspace_size(ArgumentsFor<C, Scheduler>(p));
+}
+
+template <class Element, class Tiles = DefaultTiles, class Scheduler = void>
 const char* Run(const GemmProblem& p, void* workspace, cudaStream_t stream) {
   if (p.b_kmajor) {
-    using C = Config<Element, void, DefaultTiles, void, KMajorB>;
-    return Launch<C>(MakeArguments<C>(p), workspace, stream);
+    using C = Config<Element, Scheduler, Tiles, void, KMajorB>;
+    return Launch<C>(ArgumentsFor<C, Scheduler>(p), workspace, stream);
   }
-  using C = Config<Element>;
-  return Launch<C>(MakeArguments<C>(p), workspace, stream);
+  using C = Config<Element, Scheduler, Tiles>;
+  return Launch<C>(ArgumentsFor<C, Scheduler>(p), workspace, stream);
 }
 
 }  // namespace jaxflux::gemm_sm90
@@ -158,5 +173,19 @@ const char* Run(const GemmProblem& p, void* workspace, cudaStream_t stream) {
   const char* GemmRun_##NAME(const GemmProblem& problem, void* workspace,                    \
                              cudaStream_t stream) {                                          \
     return gemm_sm90::Run<ELEMENT>(problem, workspace, stream);                              \
+  }                                                                                          \
+  }  // namespace jaxflux
+
+// The stream-K entry points of one element type (GemmProblem::streamk); NAME = streamk_<dtype>.
+#define JAXFLUX_GEMM_STREAMK_INSTANCE(NAME, ELEMENT)                                         \
+  namespace jaxflux {                                                                        \
+  size_t GemmWorkspaceBytes_##NAME(const GemmProblem& problem) {                      \
+    return gemm_sm90::WorkspaceBytes<ELEMENT, gemm_sm90::StreamKTiles,                       \
+                                     cutlass::gemm::StreamKScheduler>(problem);              \
+  }                                                                                          \
+  const char* GemmRun_##NAME(const GemmProblem& problem, void* workspace,                    \
+                             cudaStream_t stream) {                                          \
+    return gemm_sm90::Run<ELEMENT, gemm_sm90::StreamKTiles, cutlass::gemm::StreamKScheduler>( \
+        problem, workspace, stream);                                                         \
   }                                                                                          \
   }  // namespace jaxflux

@@ -32,9 +32,13 @@ struct GemmProblem {
   // SMs the persistent grid is sized for: 0 all of the device's, n > 0 min(n, SMs). Fewer leave
   // SMs free for other streams' kernels (tests run two ranks on one GPU this way).
   int grid_sms = 0;
+  // Stream-K 128x128 tiles instead of the stock 128x256 ones: CUTLASS's stream-K scheduler splits
+  // K across SMs when there are fewer output tiles than SMs (few rows: decode), so every SM reads
+  // its share of B. Only GemmSm90 takes it (GEMM+AllReduce and the GEMM-only kernel 0).
+  bool streamk = false;
 };
 
-// Bytes of scratch the kernel needs for this problem.
+// Bytes of scratch the kernel needs for this problem (stream-K: its partial-tile workspace).
 size_t GemmSm90WorkspaceBytes(GemmDtype dtype, const GemmProblem& problem);
 
 // Launches on `stream`. Returns a static string describing the failure, or nullptr.

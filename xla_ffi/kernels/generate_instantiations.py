@@ -60,6 +60,11 @@ def instances() -> list[Instance]:
         f"{HEADER}// CUTLASS's persistent sm90 GEMM, {dtype}, both B layouts (gemm_sm90.cuh).\n"
         '#include "xla_ffi/kernels/gemm_sm90.cuh"\n\n'
         f"JAXFLUX_GEMM_INSTANCE({dtype}, {element})\n")))
+    out.append(Instance("gemm_sm90", f"streamk_{dtype}", (
+        f"{HEADER}// CUTLASS's sm90 GEMM with the stream-K scheduler, {dtype}, both B layouts\n"
+        "// (gemm_sm90.cuh).\n"
+        '#include "xla_ffi/kernels/gemm_sm90.cuh"\n\n'
+        f"JAXFLUX_GEMM_STREAMK_INSTANCE(streamk_{dtype}, {element})\n")))
   return out
 
 

@@ -10,7 +10,12 @@
 
 namespace jaxflux {
 
-enum class OpCode : int32_t { kAllGather = 1, kAllGatherMatmul = 2, kMatmulReduceScatter = 3 };
+enum class OpCode : int32_t {
+  kAllGather = 1,
+  kAllGatherMatmul = 2,
+  kMatmulReduceScatter = 3,
+  kMatmulAllReduce = 4,
+};
 enum class ErrorKind : int32_t { kNone = 0, kTimeout = 1, kRankMismatch = 2 };
 
 // Written by device code into host-mapped pinned memory; the first error wins (claim), and

@@ -26,6 +26,7 @@ const char* OpName(int32_t op) {
     case OpCode::kAllGather: return "all_gather";
     case OpCode::kAllGatherMatmul: return "all_gather_matmul";
     case OpCode::kMatmulReduceScatter: return "matmul_reduce_scatter";
+    case OpCode::kMatmulAllReduce: return "matmul_all_reduce";
   }
   return "op";
 }
