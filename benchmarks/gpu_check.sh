@@ -7,8 +7,9 @@
 #   tests   every GPU-marked test this machine can run (two-GPU tests skip on one GPU; the fused
 #           ops' matrix with two ranks sharing GPU 0 runs anywhere). GPU_TESTS narrows the files
 #           (e.g. GPU_TESTS=tests/test_multiprocess_gpu.py TESTS_TIMEOUT=440), PYTEST_K adds -k.
-#   tables  the benchmark tables: the single-GPU GEMM table (h200_gemm_table.json); with two or
-#           more GPUs also both fused ops and the all-gather against XLA at tp=2
+#   tables  the benchmark tables: the single-GPU GEMM tables (h200_gemm_table.json,
+#           h200_gemm_all_reduce.json); with two or more GPUs also both fused ops and the
+#           all-gather against XLA at tp=2
 #   train   the training example (llama70b-8l preset, $TRAIN_STEPS steps, default 60) in modes
 #           jaxflux, xla and windowed; needs two GPUs
 set -uo pipefail
@@ -45,7 +46,8 @@ bench() {  # output name, then the benchmark's arguments; prints the table's lin
 }
 
 if stage tables; then
-  bench h200_gemm_table --op gemm
+  bench h200_gemm_table --op gemm --of ag_gemm,gemm_rs
+  bench h200_gemm_all_reduce --op gemm --of gemm_ar
   if (( GPUS >= 2 )); then
     for op in ag_gemm gemm_rs; do
       bench "h200x2_${op}_tp2" --op $op --tp 2 --M 2048,4096,8192 \

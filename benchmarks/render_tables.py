@@ -104,27 +104,47 @@ def render_ops(results: pathlib.Path) -> str:
   return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
 
 
+GEMM_FILES = (("h200_gemm_table.json", (("ag_gemm", "AG+GEMM"), ("gemm_rs", "GEMM+RS"))),
+              ("h200_gemm_all_reduce.json", (("gemm_ar", "GEMM+AR"),)))
+
+
+def _decode_rates(rows: list[dict]) -> str:
+  """gemm_ar rows at M <= 128: the weight read rates of cuBLAS and the GEMM-only mode, TB/s."""
+  decode = [r for r in rows if r.get("of") == "gemm_ar" and r["M"] <= 128
+            and r["weight_tbps"].get("gemm_only") and r["weight_tbps"].get("xla")]
+  if not decode:
+    return ""
+  rates = {v: [r["weight_tbps"][v] for r in decode] for v in ("xla", "gemm_only")}
+  return (f"- GEMM+AR at M ≤ 128 ({len(decode)} rows), weight read: cuBLAS "
+          f"{min(rates['xla']):.1f}–{max(rates['xla']):.1f} TB/s, GEMM-only "
+          f"{min(rates['gemm_only']):.1f}–{max(rates['gemm_only']):.1f} TB/s.\n")
+
+
 def render_gemm(results: pathlib.Path) -> str:
-  name = "h200_gemm_table.json"
-  data = load(results, name)
-  if data is None:
-    return NOT_MEASURED.format(f"benchmarks/results/{name}")
-  run = data["runs"][0]
-  summary = run.get("summary", {})
   lines = ["| GEMM of (per device, tp=2) | rows | GEMM-only / cuBLAS: mean (worst) | "
            "own rows with C / cuBLAS without C: mean (worst) |", "|---|---|---|---|"]
-  for of, label in (("ag_gemm", "AG+GEMM"), ("gemm_rs", "GEMM+RS")):
-    stats = summary.get(of)
-    if not stats:
+  notes, decode = [], ""
+  for name, families in GEMM_FILES:
+    data = load(results, name)
+    if data is None:
+      notes.append(NOT_MEASURED.format(f"benchmarks/results/{name}").rstrip("\n"))
       continue
-    cells = []
-    for key in ("gemm_only_vs_xla", "own_rows_vs_xla_own_rows"):
-      s = stats.get(key)
-      cells.append("—" if not s or s["mean"] is None else
-                   f"{s['mean']:.3f} ({s['worst']:.3f}, {s['worst_row']})")
-    rows = stats["gemm_only_vs_xla"]["of_rows"]
-    lines.append(f"| {label} | {rows} | {cells[0]} | {cells[1]} |")
-  return "\n".join(lines) + f"\n\n`benchmarks/results/{name}`: {_provenance(run)}.\n"
+    runs, rows = _table_rows(data)
+    summary = runs[0].get("summary", {})
+    for of, label in families:
+      stats = summary.get(of)
+      if not stats:
+        continue
+      cells = []
+      for key in ("gemm_only_vs_xla", "own_rows_vs_xla_own_rows"):
+        s = stats.get(key)
+        cells.append("—" if not s or s["mean"] is None else
+                     f"{s['mean']:.3f} ({s['worst']:.3f}, {s['worst_row']})")
+      count = stats["gemm_only_vs_xla"]["of_rows"]
+      lines.append(f"| {label} | {count} | {cells[0]} | {cells[1]} |")
+    notes.append(f"`benchmarks/results/{name}`: {_provenance(runs[0])}.")
+    decode += _decode_rates(rows)
+  return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n" + ("\n" + decode if decode else "")
 
 
 def render_train(results: pathlib.Path) -> str:

@@ -1,12 +1,14 @@
 """jaxflux: tensor-parallel matmuls with the collective hidden inside the GEMM (FLUX for JAX).
 
-Ops (per-device view, inside `jax.shard_map`): `all_gather_matmul`, `matmul_reduce_scatter`.
+Ops (per-device view, inside `jax.shard_map`): `all_gather_matmul`, `matmul_reduce_scatter`,
+`matmul_all_reduce`.
 Flax layers (global view, under `jit` with a mesh): `jaxflux.Dense` (Linen), `jaxflux.nnx.Linear`.
 Kernel choices: `jaxflux.tuning` (the measured table, and `override` for measurement).
 """
 from jaxflux._runtime import check_errors, configure, has_cuda
 from jaxflux import tuning
-from jaxflux.ops import FusedKernelUnavailableError, all_gather_matmul, matmul_reduce_scatter
+from jaxflux.ops import (FusedKernelUnavailableError, all_gather_matmul, matmul_all_reduce,
+                         matmul_reduce_scatter)
 
 __version__ = "0.2.0"
 
@@ -17,6 +19,7 @@ __all__ = [
     "check_errors",
     "configure",
     "has_cuda",
+    "matmul_all_reduce",
     "matmul_reduce_scatter",
     "nnx",
     "tuning",

@@ -12,6 +12,10 @@ processes' GPUs:
     both (each op's backward runs the other with the weight transposed), against float32 NumPy;
   MODE=matrix_pingpong: MODE=matrix with GEMM+RS's own-rows schedule forced to ping-pong
     (jaxflux.tuning.override);
+  MODE=all_reduce: the fused matmul_all_reduce at decode and prefill rows (each tile forced
+    once too), batch dims, fp16, gradients and back-to-back calls against float32 NumPy; each
+    process prints `DIGEST <case> <sha256>` of its copy of the output, which the test compares
+    across processes (every rank must hold the same bits);
   MODE=die: one call of each fused op (and the all-gather, and GEMM+RS with either reduction:
     every kind of wait in the kernels), then process 1 exits at once and process 0 calls each
     again: each must fail with jaxflux's timeout error naming its op, instead of hanging.
@@ -23,12 +27,13 @@ fused ops' cross-rank protocol (pushes, flags, waits) on a one-GPU machine: corr
 (the ranks' kernels take turns, so times mean nothing), and no XLA collective can run (NCCL
 refuses two ranks on one GPU), so MODE=check skips its in-program all-gather case there. A
 push between the ranks is then a copy within one device, which runs as a kernel, so the GEMMs
-are given fewer SMs than the GPU has (grid_sms=100 for both ops, through
+are given fewer SMs than the GPU has (grid_sms=100 for every op, through
 jaxflux.tuning.override): one holding every SM while it spins on a peer's push would starve
 that push (it did in a matrix run without the cap, on the chunked all-gather of
 rows/rank=8192).
 """
 import contextlib
+import hashlib
 import json
 import os
 import pathlib
@@ -37,7 +42,9 @@ import sys
 import jax
 
 PORT, NUM_PROCESSES, PROCESS_ID = map(int, sys.argv[1:4])
-MODE, _, SCHEDULE = sys.argv[4].partition("_")  # "matrix_pingpong": a forced schedule
+MODE, SCHEDULE = sys.argv[4], ""
+if MODE.startswith("matrix_"):  # "matrix_pingpong": a forced schedule
+  MODE, _, SCHEDULE = MODE.partition("_")
 SHARED_GPU = sys.argv[5:] == ["shared"]  # every process drives GPU 0
 GPU = 0 if SHARED_GPU else PROCESS_ID
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{PORT}", num_processes=NUM_PROCESSES,
@@ -60,7 +67,7 @@ _overrides = contextlib.ExitStack()
 if SHARED_GPU:
   # A peer's push is then a copy within one device, which runs as a kernel: leave it SMs that
   # this rank's GEMM, spinning on that push, does not hold.
-  for _op in ("all_gather_matmul", "matmul_reduce_scatter"):
+  for _op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
     _overrides.enter_context(tuning.override(_op, grid_sms=100))
 if SCHEDULE:
   _overrides.enter_context(tuning.override("matmul_reduce_scatter", own_rows_schedule=SCHEDULE))
@@ -151,6 +158,9 @@ def op_fn(op, batch_ndim):
   if op == "ag":
     f = lambda x, w: jaxflux.all_gather_matmul(x, w, "tp", impl="fused")  # noqa: E731
     specs = (P(*b, "tp", None), P(None, "tp")), P(*b, None, "tp")
+  elif op == "ar":  # the output is replicated: each process holds its rank's whole copy
+    f = lambda x, w: jaxflux.matmul_all_reduce(x, w, "tp", impl="fused")  # noqa: E731
+    specs = (P(*b, None, "tp"), P("tp", None)), P()
   else:
     f = lambda x, w: jaxflux.matmul_reduce_scatter(x, w, "tp", impl="fused")  # noqa: E731
     specs = (P(*b, None, "tp"), P("tp", None)), P(*b, "tp", None)
@@ -168,7 +178,12 @@ def check_op(op, name, x_shape, w_shape, dtype=jnp.bfloat16, grads=False):
   xs, ws = global_array(x.astype(dtype), x_spec), global_array(w.astype(dtype), w_spec)
   tol = 1e-2 if dtype == jnp.bfloat16 else 5e-3
   # Only this process's output slice: index (*batch, rows, cols) is x[*batch, rows] @ w[:, cols].
-  check(f"{op} {name}", f(xs, ws), lambda i: x[i[:-1] + (slice(None),)] @ w[:, i[-1]], tol)
+  out = f(xs, ws)
+  check(f"{op} {name}", out, lambda i: x[i[:-1] + (slice(None),)] @ w[:, i[-1]], tol)
+  if op == "ar":
+    for shard in out.addressable_shards:
+      data = np.ascontiguousarray(np.asarray(shard.data))
+      print(f"DIGEST {name} {hashlib.sha256(data.tobytes()).hexdigest()}", flush=True)
   if grads:
     ct = rng.standard_normal(x_shape[:-1] + w_shape[-1:]).astype(np.float32)
     loss = lambda x, w, ct: jnp.sum(f(x, w).astype(jnp.float32) * ct)  # noqa: E731
@@ -204,6 +219,35 @@ def run_matrix():
   check_op("rs", "grads", (tp * 384, 1024 * tp), (1024 * tp, 512), grads=True)
   check_op("ag", "grads M=1024 llama70b-qkv", (1024, 8192), (8192, 10240), grads=True)
   check_op("rs", "grads M=1024 llama70b-out", (1024, 8192), (8192, 8192), grads=True)
+
+
+def run_all_reduce():
+  """GEMM+AllReduce: decode rows (stream-K, pushed whole) and prefill rows (the stock tile,
+  pushed in chunks), each with the other tile forced once, odd shapes, batch dims (pushed
+  whole), fp16, gradients and back-to-back calls."""
+  k = 1024 * tp
+  check_op("ar", "decode M=16", (16, k), (k, 2048))
+  check_op("ar", "prefill M=2048", (2048, k), (k, 2048))
+  check_op("ar", "llama70b-out M=256", (256, 8192), (8192, 8192))
+  for tile, m in (("cooperative_128x256_cluster2x1", 16), ("cooperative_128x128_streamk", 2048)):
+    with tuning.override("matmul_all_reduce", tile=tile):  # check_op traces inside the block
+      check_op("ar", f"{tile} M={m}", (m, k), (k, 2048))
+  for dtype in (jnp.bfloat16, jnp.float16):
+    dt = jnp.dtype(dtype).name
+    for rows, kl, n, batch in ((200, 256, 512, ()), (1, 64, 64, ()), (7, 96, 40, (2, 3)),
+                               (512, 128, 256, (4,))):
+      check_op("ar", f"{dt} M={rows} K/rank={kl} N={n} batch={batch}",
+               batch + (rows, kl * tp), (kl * tp, n), dtype)
+  check_op("ar", "grads", (384, k), (k, 512), grads=True)
+
+  f, ((x_spec, w_spec), _) = op_fn("ar", 0)
+  outs, refs = [], []
+  for i in range(50):  # back to back, fresh data, no host sync
+    x, w = operands(300 + i, 128, 256 * tp, 256)
+    outs.append(f(bf16(x, x_spec), bf16(w, w_spec)))
+    refs.append(x @ w)
+  for i in range(0, 50, 7):
+    check(f"ar back-to-back call {i}", outs[i], refs[i])
 
 
 def shard_mapped(fn, in_specs, out_spec):
@@ -267,6 +311,10 @@ if MODE == "check":
 elif MODE == "matrix":
   with jax.set_mesh(mesh):
     run_matrix()
+  _runtime.check_errors()
+elif MODE == "all_reduce":
+  with jax.set_mesh(mesh):
+    run_all_reduce()
   _runtime.check_errors()
 else:
   with jax.set_mesh(mesh):

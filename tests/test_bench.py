@@ -275,7 +275,8 @@ def test_transposed_weight_input_is_the_weight_transposed(op):
 def _fake_gemm(x, w, *, kernel, c=None, transpose_w=False):
   """Stands in for jaxflux.ops.gemm.gemm on CPU: the product each kernel computes."""
   import jax.numpy as jnp
-  assert kernel in ("cutlass", "all_gather_matmul", "own_rows") and not transpose_w
+  assert kernel in ("cutlass", "all_gather_matmul", "own_rows", "matmul_all_reduce")
+  assert not transpose_w
   assert (c is not None) == (kernel == "own_rows")
   y = jnp.dot(x, w, preferred_element_type=jnp.float32)
   return (y if c is None else y + c.astype(jnp.float32)).astype(x.dtype)
@@ -290,16 +291,21 @@ def test_gemm_table_rows_are_the_per_device_gemms_at_tp2():
   rows = build_rows(args, shapes, 2)
   assert [(r.of, r.name, r.M) for r in rows] == (
       [("ag_gemm", "a", m) for m in (2048, 4096, 8192, 16384)] +
-      [("gemm_rs", "r", m) for m in (2048, 4096, 8192, 16384)])
-  ag, rs = rows[0], rows[4]
+      [("gemm_rs", "r", m) for m in (2048, 4096, 8192, 16384)] +
+      [("gemm_ar", "r", m) for m in (1, 8, 32, 128, 512, 2048, 8192)])
+  ag, rs, ar = rows[0], rows[4], rows[8]
+  assert ar.per_device_shapes == {"x": [1, 64], "w": [64, 32], "out": [1, 32]}
   assert ag.per_device_shapes == {"x": [2048, 64], "w": [64, 48], "out": [2048, 48]}
   assert rs.per_device_shapes == {"x": [2048, 64], "w": [64, 32], "out": [2048, 32],
                                   "own_rows": {"x": [1024, 64], "c": [1024, 32],
                                                "out": [1024, 32]}}
   assert rs.comm_bytes_per_device == 0 and rs.key()[-1] == "gemm_rs"
   args.M, args.shapes = [256], ["r"]
-  assert [(r.of, r.M) for r in build_rows(args, shapes, 2)] == [("gemm_rs", 256)]
-  args.M = [3]
+  assert [(r.of, r.M) for r in build_rows(args, shapes, 2)] == [("gemm_rs", 256), ("gemm_ar", 256)]
+  args.of = ["gemm_ar"]
+  args.M = [3]  # every device holds all rows: any M
+  assert [(r.of, r.M) for r in build_rows(args, shapes, 2)] == [("gemm_ar", 3)]
+  args.of = None
   with pytest.raises(ValueError, match="not divisible by tp"):
     build_rows(args, shapes, 2)
 
@@ -338,12 +344,21 @@ def test_gemm_table_run_with_fake_kernels(shapes_file, tmp_path, monkeypatch):
   from jaxflux.bench import gemm_table
   monkeypatch.setattr(gemm_table, "_gemm", _fake_gemm)
   result = _run("gemm", shapes_file, tmp_path / "g.json", "--M", "64")
-  assert result["settings"]["variants"] == ["xla", "gemm_only", "cutlass", "xla_own_rows",
-                                            "own_rows"]
+  assert result["settings"]["variants"] == ["xla", "gemm_only", "cutlass", "streamk",
+                                            "xla_own_rows", "own_rows"]
   assert result["env"] == {k: v for k, v in result["env"].items() if k == "XLA_FLAGS"}
-  ag, rs = result["rows"]
-  assert (ag["of"], rs["of"]) == ("ag_gemm", "gemm_rs") and ag["tp"] == rs["tp"] == 2
-  for r in (ag, rs):
+  ag, rs, ar = result["rows"]
+  assert (ag["of"], rs["of"], ar["of"]) == ("ag_gemm", "gemm_rs", "gemm_ar")
+  assert ag["tp"] == rs["tp"] == ar["tp"] == 2
+  # gemm_ar rows: every row on the device, the weight [K/tp, N]; its read rate per variant.
+  assert ar["per_device"] == {"x": [64, 32], "w": [32, 64], "out": [64, 64]}
+  assert set(ar["ms"]) == {"xla", "gemm_only", "cutlass", "streamk"}
+  for v, t in ar["ms"].items():
+    assert ar["weight_tbps"][v] == pytest.approx(32 * 64 * 2 / t / 1e9, rel=1e-4)
+  assert ar["ratios"]["streamk_vs_xla"] == pytest.approx(ar["ms"]["streamk"] / ar["ms"]["xla"],
+                                                         rel=1e-4)
+  assert "weight_tbps" not in rs
+  for r in (ag, rs, ar):
     assert all(t > 0 for t in r["ms"].values()), r["errors"]
     assert all(e < 1e-2 for e in r["rel_err"].values()) and set(r["rel_err"]) == set(r["ms"])
     for v in ("gemm_only", "cutlass"):
@@ -357,7 +372,7 @@ def test_gemm_table_without_kernels_records_why(shapes_file, tmp_path):
   if not ON_CPU:
     pytest.skip("checks the reasons off GPU")
   result = _run("gemm", shapes_file, tmp_path / "g.json", "--M", "64",
-                "--variants", "xla,gemm_only,own_rows")
+                "--variants", "xla,gemm_only,own_rows", "--of", "ag_gemm,gemm_rs")
   ag, rs = result["rows"]
   assert ag["ms"]["xla"] > 0 and ag["ms"]["gemm_only"] is None and ag["errors"]["gemm_only"]
   assert rs["ms"]["own_rows"] is None and rs["errors"]["own_rows"]

@@ -102,7 +102,8 @@ def test_gemm_rejects_unknown_kernel():
   x = jax.ShapeDtypeStruct((8, 16), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((16, 8), jnp.bfloat16)
   with pytest.raises(ValueError, match=r"kernel='rows' is not one of \('cutlass', "
-                                       r"'all_gather_matmul', 'own_rows'\)"):
+                                       r"'all_gather_matmul', 'own_rows', "
+                                       r"'matmul_all_reduce'\)"):
     jax.eval_shape(lambda a, b: gemm(a, b, kernel="rows"), x, w)
 
 

@@ -9,6 +9,7 @@ without two GPUs. Those tests need one GPU; they say nothing of speed."""
 import importlib.util
 import os
 import pathlib
+import re
 import sys
 
 import pytest
@@ -95,6 +96,19 @@ def test_fused_op_matrix_across_two_processes_sharing_one_gpu(one_gpu_launcher, 
   for i, (_, out) in enumerate(results):
     assert f"WORKER OK {i}" in out and "FAIL" not in out, describe(results)
     assert out.count("PASS ag ") == 18 and out.count("PASS rs ") == 19, describe(results)
+
+
+def test_matmul_all_reduce_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path):
+  """GEMM+AllReduce against float32 NumPy in both processes, and both processes' copies of each
+  output the same bits (the worker prints a digest of its copy per case)."""
+  results = _run(one_gpu_launcher, tmp_path, "all_reduce", timeout=300, shared=True)
+  assert [code for code, _ in results] == [0, 0], describe(results)
+  for i, (_, out) in enumerate(results):
+    assert f"WORKER OK {i}" in out and "FAIL" not in out, describe(results)
+    # 5 row cases, 8 odd/batched/fp16 ones, the gradient case's 3 checks, 8 back-to-back calls
+    assert out.count("PASS ar ") == 24, describe(results)
+  digests = [re.findall(r"^DIGEST (.+) ([0-9a-f]{64})$", out, re.M) for _, out in results]
+  assert len(digests[0]) == 14 and digests[0] == digests[1], describe(results)
 
 
 def test_a_dead_peer_sharing_one_gpu_fails_the_survivor(one_gpu_launcher, tmp_path):

@@ -15,7 +15,7 @@ from jaxflux.ops import _attributes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
+AG, RS, AR = "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"
 DTYPES = {"bfloat16": 2, "float16": 2}
 TPS = range(2, 9)
 
@@ -89,6 +89,8 @@ def produced_classes(op, tp):
     if op == AG:
       for sms in (0, 1, 132):
         found.add(tuning.all_gather_matmul_class(batch * tp * m, n, sms))
+    elif op == AR:
+      found.add(tuning.matmul_all_reduce_class(batch * m))
     else:
       found.add(tuning.matmul_reduce_scatter_class(tp, batch, m, k, n, 2))
   return found
@@ -96,13 +98,13 @@ def produced_classes(op, tp):
 
 # --- the table --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("op", [AG, RS])
+@pytest.mark.parametrize("op", [AG, RS, AR])
 def test_the_sweep_reaches_every_class_the_classifier_names(op):
   found = set().union(*(produced_classes(op, tp) for tp in TPS))
   assert found == set(tuning.shape_classes(op))
 
 
-@pytest.mark.parametrize("op", [AG, RS])
+@pytest.mark.parametrize("op", [AG, RS, AR])
 @pytest.mark.parametrize("tp", TPS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_table_covers_every_class_on_sm90(op, tp, dtype):
@@ -280,3 +282,86 @@ def test_the_epilogue_reduction_needs_tp_2(tp):
     with pytest.raises(ValueError, match=rf"reduce='epilogue' needs tp=2 \(here tp={tp}\).*"
                                          r"Override reduce='pass'"):
       tuning.choose_matmul_reduce_scatter(**{**CHUNKED, "tp": tp})
+
+
+# --- GEMM+AllReduce -----------------------------------------------------------------------------
+
+def reference_matmul_all_reduce(batch, m):
+  """(tile index, push_chunks, swizzle): stream-K 128x128 pushed whole with swizzle 1 up to 128
+  rows (batch * m), else the stock 128x256 tile, swizzle 1 below 2048 rows and 4 from there,
+  pushed in chunks unless x is batched."""
+  rows = batch * m
+  if rows <= 128:
+    return 1, 0, 1
+  return 0, int(batch == 1), 4 if rows >= 2048 else 1
+
+
+def reference_all_reduce_class(rows):
+  if rows <= 128:
+    return "decode"
+  return "prefill.rows_ge_2048" if rows >= 2048 else "prefill.rows_lt_2048"
+
+
+def test_all_reduce_defaults_equal_the_reference():
+  shapes = json.loads((ROOT / "benchmarks" / "shapes.json").read_text())["gemm_rs"]
+  ms = (1, 16, 128, 129, 256, 512, 1024, 2047, 2048, 8192, 16384)
+  for (s, m, batch, dtype, tp) in itertools.product(shapes, ms, (1, 2, 3), DTYPES, TPS):
+    tuned = tuning.choose_matmul_all_reduce(dtype=dtype, tp=tp, batch=batch, m=m,
+                                            k=s["K"] // tp, n=s["N"], itemsize=DTYPES[dtype])
+    attrs = _attributes.matmul_all_reduce(tuned.choice)
+    assert tuned.shape_class == reference_all_reduce_class(batch * m)
+    got = (attrs["tile"], attrs["push_chunks"], attrs["swizzle"])
+    assert got == reference_matmul_all_reduce(batch, m), (s, m, batch, tp, tuned)
+    assert attrs["grid_sms"] == 0
+
+
+@pytest.mark.parametrize("rows,shape_class", [
+    (1, "decode"), (128, "decode"), (129, "prefill.rows_lt_2048"),
+    (2047, "prefill.rows_lt_2048"), (2048, "prefill.rows_ge_2048"),
+    (16384, "prefill.rows_ge_2048")])
+def test_all_reduce_classes_split_at_128_and_2048_rows(rows, shape_class):
+  assert tuning.matmul_all_reduce_class(rows) == shape_class
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"tile": "streamk"}, r"tile='streamk' is not valid; tile takes "
+                          r"'cooperative_128x256_cluster2x1' or 'cooperative_128x128_streamk'"),
+    ({"push": "split"}, r"push='split' is not valid; push takes 'chunked' or 'whole'"),
+    ({"swizzle": 3}, r"swizzle=3 is not valid; swizzle takes 1, 2, 4 or 8"),
+    ({"grid_sms": -1}, r"grid_sms=-1 is not valid"),
+    ({"reduce": "pass"}, r"unknown field 'reduce'; the fields are \('tile', 'push', 'swizzle', "
+                         r"'grid_sms'\)"),
+])
+def test_a_bad_all_reduce_override_raises_at_once(fields, match):
+  with pytest.raises(ValueError, match=rf"jaxflux.tuning.override\('{AR}'\): {match}"):
+    with tuning.override(AR, **fields):
+      pytest.fail("the block ran")
+  assert tuning.overrides(AR) == {}
+
+
+DECODE = {"dtype": "bfloat16", "tp": 2, "batch": 1, "m": 16, "k": 4096, "n": 8192,
+          "itemsize": 2}
+
+
+def test_an_all_reduce_override_reaches_the_choice_and_keeps_the_class():
+  with tuning.override(AR, tile="cooperative_128x256_cluster2x1", grid_sms=100):
+    with tuning.override(AR, swizzle=8):
+      tuned = tuning.choose_matmul_all_reduce(**DECODE)
+  assert tuned.shape_class == "decode"
+  assert tuned.choice == tuning.MatmulAllReduceChoice("cooperative_128x256_cluster2x1", "whole",
+                                                      8, 100)
+  assert tuning.choose_matmul_all_reduce(**DECODE).choice.tile == "cooperative_128x128_streamk"
+
+
+def test_a_chunked_all_reduce_push_needs_unbatched_x():
+  prefill = {**DECODE, "m": 1024}
+  assert tuning.choose_matmul_all_reduce(**prefill).choice.push == "chunked"
+  # The table's chunked push turns whole for a batched x ...
+  assert tuning.choose_matmul_all_reduce(**{**prefill, "batch": 2}).choice.push == "whole"
+  # ... an asked-for one is an error; on an unbatched x, even a decode one, it stands.
+  with tuning.override(AR, push="chunked"):
+    assert tuning.choose_matmul_all_reduce(**DECODE).choice.push == "chunked"
+    with pytest.raises(ValueError, match=r"matmul_all_reduce: push='chunked' needs an unbatched "
+                                         r"x.*here x has 3 batch entries. Override "
+                                         r"push='whole'"):
+      tuning.choose_matmul_all_reduce(**{**DECODE, "batch": 3})

@@ -13,7 +13,8 @@ import jax
 
 from jaxflux.bench import device_clock, processes
 from jaxflux.bench.config import (CHILD_MARKER, DEFAULT_VARIANTS, DEFINITIONS, EXTRA_VARIANTS,
-                                  GEMM_VARIANTS, OP_VARIANTS, OPS, WINDOWED_FLAGS, repo_root)
+                                  GEMM_FAMILIES, GEMM_VARIANTS, OP_VARIANTS, OPS,
+                                  WINDOWED_FLAGS, repo_root)
 from jaxflux.bench.gemm_table import format_gemm_table, summarize_table
 from jaxflux.bench.inputs import make_mesh
 from jaxflux.bench.machine import provenance
@@ -58,6 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--M", type=_csv(int), default=None,
                  help="comma-separated global token counts (default: the shapes file's M list; "
                       "--op gemm: 2048,4096,8192,16384)")
+  p.add_argument("--of", type=_csv(str), default=None,
+                 help=f"--op gemm only: row families, any of {','.join(GEMM_FAMILIES)} "
+                      "(default all; gemm_ar's default M: 1,8,32,128,512,2048,8192)")
   p.add_argument("--sizes-mib", type=_csv(float), default=None,
                  help="all_gather only: per-device shard sizes in MiB instead of the shapes")
   p.add_argument("--dtype", default="bfloat16", help="input dtype (default bfloat16)")
@@ -116,6 +120,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   unknown = [v for v in args.variants if v not in known]
   if unknown:
     p.error(f"--variants: unknown {unknown} for --op {args.op}; choose from {known}")
+  if args.of is not None:
+    bad = [f for f in args.of if f not in GEMM_FAMILIES]
+    if args.op != "gemm" or bad:
+      p.error(f"--of applies to --op gemm and takes {GEMM_FAMILIES}; got {args.of}")
   if args.sizes_mib and args.op != "all_gather":
     p.error("--sizes-mib applies to --op all_gather only")
   for name in ("iters", "repeats"):

@@ -16,11 +16,15 @@ OP_VARIANTS = {
     "gemm_rs": ("xla", "gemm", "gemm_only", "comm", "jaxflux", "jaxflux_wt", "auto",
                 "xla_windowed", "xla_gspmd"),
     # One device: each row is one GEMM a device runs in the fused op at tp=2 (see gemm_table.py).
-    "gemm": ("xla", "gemm_only", "cutlass", "xla_own_rows", "own_rows"),
+    "gemm": ("xla", "gemm_only", "cutlass", "streamk", "xla_own_rows", "own_rows"),
 }
 GEMM_VARIANTS = OP_VARIANTS["gemm"]
-# --op gemm's default token counts: where impl="auto" takes the fused kernels at tp=2.
+# --op gemm's row families: the per-device GEMM of each fused op at tp=2.
+GEMM_FAMILIES = ("ag_gemm", "gemm_rs", "gemm_ar")
+# --op gemm's default token counts: where impl="auto" takes the fused kernels at tp=2; for
+# GEMM+AllReduce (gemm_ar rows) decode sizes too, where the GEMM is a read of the weight.
 GEMM_TABLE_M = (2048, 4096, 8192, 16384)
+GEMM_AR_TABLE_M = (1, 8, 32, 128, 512, 2048, 8192)
 # Variants whose output is the op's output (checked against `xla`).
 OUTPUT_VARIANTS = ("xla", "pallas", "jaxflux", "jaxflux_wt", "auto", "xla_windowed", "xla_gspmd")
 WINDOWED_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0",
@@ -51,8 +55,11 @@ DEFINITIONS = {
                 "--op gemm: against the variant's own product computed by XLA in float32"),
     "gemm_only_vs_xla": ("--op gemm: ms['gemm_only'] / ms['xla'] (> 1: the fused kernels' GEMM "
                          "work is slower than XLA's dot, i.e. cuBLAS, on the same operands)"),
+    "streamk_vs_xla": "--op gemm, gemm_ar rows: ms['streamk'] / ms['xla']",
     "cutlass_vs_xla": ("--op gemm: ms['cutlass'] / ms['xla'] (CUTLASS's stock persistent GEMM "
                        "against cuBLAS: how much of gemm_only_vs_xla is CUTLASS itself)"),
+    "weight_tbps": ("--op gemm, gemm_ar rows: bytes of the per-device weight [K/tp, N] / time, "
+                    "TB/s (1e12): the rate the GEMM reads the weight, its bound at decode sizes"),
     "own_rows_vs_xla_own_rows": ("--op gemm, gemm_rs rows: ms['own_rows'] / ms['xla_own_rows'] "
                                  "(the own-rows kernel reading C against XLA's dot without C)"),
 }

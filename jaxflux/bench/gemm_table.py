@@ -14,6 +14,12 @@ dot (cuBLAS) on the same operands, variants interleaved as for the other ops:
     cutlass       as for ag_gemm rows, on all M rows
     xla_own_rows  jnp.dot on the own rows [M/2, K/tp] x [K/tp, N] (no C)
     own_rows      gemm(kernel="own_rows", c=C) on the same rows: the own-rows kernel reading C
+  gemm_ar rows  [M, K/tp] x [K/tp, N] (the gemm_rs shapes; every row on every device)
+    xla           jnp.dot
+    gemm_only     gemm(kernel="matmul_all_reduce"): the GEMM+AllReduce op's GEMM as it tunes it
+    cutlass       as for ag_gemm rows
+    streamk       the same with CUTLASS's stream-K 128x128 GEMM, the op's other tile choice
+    and weight_tbps: the rate each variant reads the weight, what bounds it at decode sizes
 Each variant's output is checked against the same product computed by XLA in float32.
 """
 from __future__ import annotations
@@ -29,9 +35,11 @@ from jaxflux.bench.table import fmt, error_lines
 # (numerator, denominator) variants of each ratio a row reports; > 1: jaxflux's kernel is slower.
 RATIOS = {"gemm_only_vs_xla": ("gemm_only", "xla"),
           "cutlass_vs_xla": ("cutlass", "xla"),
+          "streamk_vs_xla": ("streamk", "xla"),
           "own_rows_vs_xla_own_rows": ("own_rows", "xla_own_rows")}
 ROW_VARIANTS = {"ag_gemm": ("xla", "gemm_only", "cutlass"),
-                "gemm_rs": ("xla", "gemm_only", "cutlass", "xla_own_rows", "own_rows")}
+                "gemm_rs": ("xla", "gemm_only", "cutlass", "xla_own_rows", "own_rows"),
+                "gemm_ar": ("xla", "gemm_only", "cutlass", "streamk")}
 
 
 def _gemm(x, w, **kwargs):
@@ -55,6 +63,13 @@ def rs_gemm_only(x_peer, x_own, w):
   return _gemm(x_own, w, kernel="own_rows", c=_gemm(x_peer, w, kernel="cutlass"))
 
 
+def streamk_gemm(x, w):
+  """GEMM+AllReduce's GEMM with the stream-K tile, whatever the table picks for the row."""
+  from jaxflux import tuning
+  with tuning.override("matmul_all_reduce", tile="cooperative_128x128_streamk"):
+    return _gemm(x, w, kernel="matmul_all_reduce")
+
+
 def variant_spec(name: str, row: Row):
   """(function, input names, float32 reference function) of a --op gemm variant, or a reason
   string where the variant does not apply to the row."""
@@ -71,6 +86,10 @@ def variant_spec(name: str, row: Row):
             lambda x, w, c: _f32_dot(x, w) + c.astype(jnp.float32))
   if row.of == "ag_gemm":
     return ag_gemm_only, ("x", "w"), _f32_dot
+  if name == "streamk":
+    return streamk_gemm, ("x", "w"), _f32_dot
+  if row.of == "gemm_ar":
+    return (lambda x, w: _gemm(x, w, kernel="matmul_all_reduce")), ("x", "w"), _f32_dot
   if row.tp != 2:
     return f"the GEMM+RS GEMM-only composition is defined at tp=2, not tp={row.tp}"
   return rs_gemm_only, ("x_peer", "x_own", "w"), lambda p, o, w: _f32_dot(p, w) + _f32_dot(o, w)
@@ -80,6 +99,10 @@ def _flops(row: Row, variant: str) -> int:
   """FLOP of one call: own-rows variants do 1/tp of the local GEMM."""
   full = 2 * row.M * row.K * row.N // row.tp
   return full // row.tp if variant in ("xla_own_rows", "own_rows") else full
+
+
+def _weight_bytes(row: Row) -> int:
+  return row.K // row.tp * row.N * row.itemsize
 
 
 def summarize_gemm_row(row: Row, samples: dict, errors: dict, rel_err: dict, calls: dict,
@@ -103,6 +126,8 @@ def summarize_gemm_row(row: Row, samples: dict, errors: dict, rel_err: dict, cal
                               for v in names},
       "samples_ms": {v: s for v, s in samples.items()},
       "tflops": {v: (None if t is None else _flops(row, v) / t / 1e9) for v, t in ms.items()},
+      **({"weight_tbps": {v: (None if t is None else _weight_bytes(row) / t / 1e9)
+                          for v, t in ms.items()}} if row.of == "gemm_ar" else {}),
       "ratios": ratios, "rel_err": rel_err, "errors": errors, "warnings": [],
   }
 
@@ -110,7 +135,7 @@ def summarize_gemm_row(row: Row, samples: dict, errors: dict, rel_err: dict, cal
 def summarize_table(rows: list[dict]) -> dict[str, Any]:
   """Per fused op and ratio: rows measured, mean and worst (largest) ratio, the worst row."""
   out: dict[str, Any] = {}
-  for of in ("ag_gemm", "gemm_rs"):
+  for of in ROW_VARIANTS:
     mine = [r for r in rows if r.get("of") == of]
     if not mine:
       continue
@@ -127,17 +152,27 @@ def summarize_table(rows: list[dict]) -> dict[str, Any]:
   return out
 
 
+def _weight_rates(record: dict) -> str:
+  """gemm_ar rows: the weight read rates, TB/s, of XLA's dot and of the GEMM-only mode."""
+  tbps = record.get("weight_tbps")
+  if not tbps:
+    return ""
+  rates = ", ".join(f"{v} {fmt(t, '.2f')}" for v, t in tbps.items())
+  return f"   weight TB/s: {rates}"
+
+
 def format_gemm_table(result: dict) -> str:
   lines = [f"{'of':<8}{'name':<14}{'M':>7}{'xla':>9}{'gemm_only':>10}{'ratio':>7}"
-           f"{'cutlass':>9}{'ratio':>7}{'xla_own':>9}{'own_rows':>9}{'ratio':>7}   (ms per call; ratio > 1: slower than "
-           "cuBLAS)"]
+           f"{'cutlass':>9}{'ratio':>7}{'xla_own':>9}{'own_rows':>9}{'ratio':>7}"
+           "   (ms per call; ratio > 1: slower than cuBLAS)"]
   for r in result["rows"]:
     ms, ratios = r["ms"], r["ratios"]
     lines.append(f"{r['of']:<8}{r['name']:<14}{r['M']:>7}{fmt(ms.get('xla')):>9}"
                  f"{fmt(ms.get('gemm_only')):>10}{fmt(ratios.get('gemm_only_vs_xla')):>7}"
                  f"{fmt(ms.get('cutlass')):>9}{fmt(ratios.get('cutlass_vs_xla')):>7}"
                  f"{fmt(ms.get('xla_own_rows')):>9}{fmt(ms.get('own_rows')):>9}"
-                 f"{fmt(ratios.get('own_rows_vs_xla_own_rows')):>7}")
+                 f"{fmt(ratios.get('own_rows_vs_xla_own_rows')):>7}"
+                 + _weight_rates(r))
   for of, stats in result.get("summary", {}).items():
     for key, s in stats.items():
       lines.append(f"{of} {key}: mean {fmt(s['mean'])}, worst {fmt(s['worst'])} "

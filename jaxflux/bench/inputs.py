@@ -29,6 +29,8 @@ def _input_layouts(row: Row) -> dict[str, tuple[tuple[int, ...], P]]:
   if row.op == "gemm":  # one device: the per-device operands themselves, unsharded
     if row.of == "ag_gemm":
       return {"x": ((M, K), P()), "w": ((K, N // tp), P())}
+    if row.of == "gemm_ar":
+      return {"x": ((M, K // tp), P()), "w": ((K // tp, N), P())}
     m, k = M // tp, K // tp
     # gemm_only's two row blocks and own_rows' operands are arrays of their own: a slice of x
     # passed to a custom call would be copied first, inside the timed program.

@@ -6,14 +6,15 @@ import pathlib
 
 import jax.numpy as jnp
 
-from jaxflux.bench.config import GEMM_TABLE_M, repo_root
+from jaxflux.bench.config import GEMM_AR_TABLE_M, GEMM_FAMILIES, GEMM_TABLE_M, repo_root
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
   """One benchmark row. M, K, N are the global GEMM shape y[M, N] = x[M, K] @ w[K, N]
   (for all_gather: the gathered array is [M, K] and N is unused, 0). For op "gemm", `of` names
-  the fused op ("ag_gemm" or "gemm_rs") whose per-device GEMM at `tp` the row runs on one device."""
+  the fused op ("ag_gemm", "gemm_rs" or "gemm_ar") whose per-device GEMM at `tp` the row runs on
+  one device."""
   op: str
   name: str
   M: int
@@ -44,6 +45,8 @@ class Row:
     m, k, n = self.M // self.tp, self.K // self.tp, self.N // self.tp
     if self.op == "gemm" and self.of == "ag_gemm":
       return {"x": [self.M, self.K], "w": [self.K, n], "out": [self.M, n]}
+    if self.op == "gemm" and self.of == "gemm_ar":
+      return {"x": [self.M, k], "w": [k, self.N], "out": [self.M, self.N]}
     if self.op == "gemm":
       return {"x": [self.M, k], "w": [k, self.N], "out": [self.M, self.N],
               "own_rows": {"x": [m, k], "c": [m, self.N], "out": [m, self.N]}}
@@ -124,20 +127,26 @@ def build_rows(args, shapes: dict, tp: int) -> list[Row]:
 
 
 def _gemm_rows(args, shapes: dict, tp: int) -> list[Row]:
-  """--op gemm: every ag_gemm then gemm_rs shape at each M, as one device runs it at `tp`."""
-  ms = args.M or list(GEMM_TABLE_M)
-  tables = {of: shapes.get(of, []) for of in ("ag_gemm", "gemm_rs")}
+  """--op gemm: every ag_gemm, gemm_rs and gemm_ar shape (gemm_ar: the gemm_rs shapes) at each M,
+  as one device runs it at `tp`; --of picks families."""
+  families = getattr(args, "of", None) or GEMM_FAMILIES
+  tables = {of: shapes.get("gemm_rs" if of == "gemm_ar" else of, []) for of in families}
   if args.shapes:
     known = {s["name"] for t in tables.values() for s in t}
     missing = [n for n in args.shapes if n not in known]
     if missing:
       raise ValueError(f"--shapes: unknown name(s) {missing}; the shapes file has {sorted(known)}")
     tables = {of: [s for s in t if s["name"] in args.shapes] for of, t in tables.items()}
+  def token_counts(of: str):
+    return args.M or list(GEMM_AR_TABLE_M if of == "gemm_ar" else GEMM_TABLE_M)
+
   rows = [Row("gemm", s["name"], int(m), int(s["K"]), int(s["N"]), tp, args.dtype, of)
-          for of, table in tables.items() for s in table for m in ms]
+          for of, table in tables.items() for s in table for m in token_counts(of)]
   for row in rows:
     dim, size = ("N", row.N) if row.of == "ag_gemm" else ("K", row.K)
-    for d, v in ((dim, size), ("M", row.M)):
+    # gemm_ar rows keep every row on each device: any M.
+    checks = ((dim, size),) if row.of == "gemm_ar" else ((dim, size), ("M", row.M))
+    for d, v in checks:
       if v % tp:
         raise ValueError(f"row {row.name}: {d}={v} is not divisible by tp={tp}; pick another "
                          "--M / --tp.")

@@ -1,5 +1,5 @@
 """Tuning choices -> the int64 attributes of the kernels' FFI targets (the C++ contract:
-xla_ffi/ffi/ag_gemm.cc, gemm_rs.cc, gemm.cc)."""
+xla_ffi/ffi/ag_gemm.cc, gemm_rs.cc, gemm.cc, and the GEMM+AllReduce handler)."""
 from __future__ import annotations
 
 from jaxflux import tuning
@@ -20,4 +20,13 @@ def matmul_reduce_scatter(choice: tuning.MatmulReduceScatterChoice) -> dict:
           "own_rows_schedule": tuning.OWN_ROWS_SCHEDULES.index(choice.own_rows_schedule),
           "own_rows_swizzle": choice.own_rows_swizzle,
           "peer_rows_swizzle": choice.peer_rows_swizzle,
+          "grid_sms": choice.grid_sms}
+
+
+def matmul_all_reduce(choice: tuning.MatmulAllReduceChoice) -> dict:
+  """tile: 0 CUTLASS's stock persistent 128x256 GEMM, 1 stream-K 128x128; push_chunks: 1 when
+  the partial goes in row chunks, each flagged as it lands."""
+  return {"tile": tuning.AR_TILES.index(choice.tile),
+          "push_chunks": int(choice.push == "chunked"),
+          "swizzle": choice.swizzle,
           "grid_sms": choice.grid_sms}

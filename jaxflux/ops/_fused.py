@@ -1,4 +1,4 @@
-"""The fused FFI calls of both ops (per-device view, inside shard_map): output types, workspace
+"""The fused FFI calls of the ops (per-device view, inside shard_map): output types, workspace
 bytes, and the tuning choice (jaxflux.tuning, resolved here once per call) as attributes."""
 from __future__ import annotations
 
@@ -69,3 +69,32 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
       **_attributes.matmul_reduce_scatter(tuned.choice))
   # Typed like the XLA path's result: varying along the scattered axis and wherever x, w vary.
   return _common.mark_varying(z, _common.vma(x) | _common.vma(w) | {axis_name})
+
+
+def matmul_all_reduce(x, w, axis_name: str, *, transpose_w: bool = False,
+                      debug_skip_rank: int = -1):
+  """y = psum(x @ w) from the jaxflux_matmul_all_reduce target: each rank's partial product goes
+  to its peers' receive slots, and every rank ends with the same sum.
+
+  transpose_w: w is [N, k] and the kernel multiplies by wᵀ, reading w K-major.
+  debug_skip_rank: test hook; that rank never signals its peers, so they time out.
+  """
+  tp = lax.axis_size(axis_name)
+  # Typed like the XLA path's psum: invariant along the summed axis, varying wherever else x or
+  # w vary.
+  axes = (_common.vma(x) | _common.vma(w)) - {axis_name}
+  if tp == 1:  # nothing to reduce
+    return _common.mark_varying(gemm.gemm(x, w, transpose_w=transpose_w), axes)
+  m, k = x.shape[-2:]
+  n = w.shape[0] if transpose_w else w.shape[1]
+  batch = math.prod(x.shape[:-2])
+  itemsize = jnp.dtype(x.dtype).itemsize
+  tuned = tuning.choose_matmul_all_reduce(dtype=jnp.dtype(x.dtype).name, tp=tp, batch=batch,
+                                          m=m, k=k, n=n, itemsize=itemsize)
+  # Two parities of tp receive slots, each holding one rank's whole partial [..., M, N].
+  y = _group_call.call(
+      "matmul_all_reduce", jax.ShapeDtypeStruct(x.shape[:-1] + (n,), x.dtype), (x, w),
+      axis_name, 2 * tp * _group_call.slot_bytes(batch * m * n * itemsize),
+      debug_skip_rank=debug_skip_rank, transpose_w=int(transpose_w),
+      **_attributes.matmul_all_reduce(tuned.choice))
+  return _common.mark_varying(y, axes)

@@ -9,6 +9,8 @@ Kernels (the `kernel` attribute of the jaxflux_gemm target):
   "cutlass"            CUTLASS's persistent GEMM, the one GEMM+RS runs for its peers' rows
   "all_gather_matmul"  the AG+GEMM kernel with its waits off (one shard, no rotation)
   "own_rows"           GEMM+RS's own-rows kernel with its waits off: x @ w + c, c [..., M, N]
+  "matmul_all_reduce"  GEMM+AllReduce's GEMM: CUTLASS's persistent GEMM (kernel 0) with the
+                       tile the fused op picks (`tile` 0: stock 128x256, 1: stream-K 128x128)
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import numpy as np
 from jaxflux import _runtime, tuning
 from jaxflux.ops import _common, _platform
 
-KERNELS = {"cutlass": 0, "all_gather_matmul": 1, "own_rows": 2}
+KERNELS = {"cutlass": 0, "all_gather_matmul": 1, "own_rows": 2, "matmul_all_reduce": 0}
 
 
 def _check_operands(op: str, x, w) -> tuple[int, int]:
@@ -60,6 +62,10 @@ def attributes(kernel: str, dtype, rows: int, k: int, n: int) -> dict:
     choice = tuning.choose_all_gather_matmul(dtype=name, tp=2, rows=rows, n=n,
                                              sms=_runtime.sm_count()).choice
     attrs.update(tile=tuning.AG_TILES.index(choice.tile), swizzle=choice.swizzle)
+  elif kernel == "matmul_all_reduce":  # as the fused op at tp=2 tunes an unbatched x of `rows`
+    choice = tuning.choose_matmul_all_reduce(dtype=name, tp=2, batch=1, m=rows, k=k, n=n,
+                                             itemsize=jnp.dtype(dtype).itemsize).choice
+    attrs.update(tile=tuning.AR_TILES.index(choice.tile), swizzle=choice.swizzle)
   else:
     choice = tuning.choose_own_rows_gemm(dtype=name, rows=rows, k=k, n=n,
                                          itemsize=jnp.dtype(dtype).itemsize).choice
@@ -75,7 +81,8 @@ def attributes(kernel: str, dtype, rows: int, k: int, n: int) -> dict:
 def gemm(x, w, *, kernel: str = "cutlass", c=None, transpose_w: bool = False):
   """x [..., M, K] @ w [K, N] (+ c) -> [..., M, N] in x's dtype (bf16/fp16, fp32 accumulation).
 
-  kernel: "cutlass", "all_gather_matmul" or "own_rows" (module docstring).
+  kernel: "cutlass", "all_gather_matmul", "own_rows" or "matmul_all_reduce" (module
+    docstring).
   c: with kernel="own_rows", the source added to the product ([..., M, N], x's dtype), as the
     fused op adds the peer's partial; None for the other kernels.
   transpose_w: w is given as [N, K] and read K-major, as the fused ops read it in a backward.

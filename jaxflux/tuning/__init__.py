@@ -1,8 +1,9 @@
 """Kernel choices of the fused ops: shape classification, table lookup and overrides.
 
-The fused ops ask `choose_all_gather_matmul` / `choose_matmul_reduce_scatter` once per call, at
-trace time, and hand the choice to the kernel as FFI attributes. The choices come from the
-measured table (jaxflux/tuning/table.py) unless an `override` block replaces fields:
+The fused ops ask `choose_all_gather_matmul` / `choose_matmul_reduce_scatter` /
+`choose_matmul_all_reduce` once per call, at trace time, and hand the choice to the kernel as FFI
+attributes. The choices come from the measured table (jaxflux/tuning/table.py) unless an
+`override` block replaces fields:
 
   with jaxflux.tuning.override("matmul_reduce_scatter", reduce="pass", grid_sms=100):
     f = jax.jit(...)   # jit caches traces: build and trace the function inside the block
@@ -20,17 +21,22 @@ from typing import NamedTuple
 from jaxflux.tuning.table import AUTO_RULES, ENTRIES, AutoRule, Entry
 
 ARCH = "sm90"  # the fused kernels' one target (Hopper)
-OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 DTYPES = ("bfloat16", "float16")
 SWIZZLES = (1, 2, 4, 8)
 AG_TILES = ("cooperative_128x256_cluster2x1", "pingpong_128x128_cluster1x2")
 OWN_ROWS_SCHEDULES = ("cooperative", "pingpong")
+# GEMM+AllReduce's tiles: CUTLASS's stock persistent GEMM, or stream-K, which splits the K loop
+# of few output tiles (decode) over more SMs.
+AR_TILES = ("cooperative_128x256_cluster2x1", "cooperative_128x128_streamk")
 TILE_ROWS = 128  # both all-gather tiles and both own-rows schedules are 128 rows high
 
 __all__ = ["AUTO_RULES", "ENTRIES", "AllGatherMatmulChoice", "AutoRule", "Entry",
-           "MatmulReduceScatterChoice", "Tuned", "all_gather_matmul_class", "auto_prefers_fused",
-           "choose_all_gather_matmul", "choose_matmul_reduce_scatter", "choose_own_rows_gemm",
-           "lookup", "matmul_reduce_scatter_class", "override", "shape_classes"]
+           "MatmulAllReduceChoice", "MatmulReduceScatterChoice", "Tuned",
+           "all_gather_matmul_class", "auto_prefers_fused", "choose_all_gather_matmul",
+           "choose_matmul_all_reduce", "choose_matmul_reduce_scatter", "choose_own_rows_gemm",
+           "lookup", "matmul_all_reduce_class", "matmul_reduce_scatter_class", "override",
+           "shape_classes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +57,17 @@ class MatmulReduceScatterChoice:
   grid_sms: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class MatmulAllReduceChoice:
+  tile: str            # one of AR_TILES
+  push: str            # "chunked": the partial in row chunks, each flagged as it lands; "whole"
+  swizzle: int
+  grid_sms: int = 0
+
+
 _CHOICE_TYPES = {"all_gather_matmul": AllGatherMatmulChoice,
-                 "matmul_reduce_scatter": MatmulReduceScatterChoice}
+                 "matmul_reduce_scatter": MatmulReduceScatterChoice,
+                 "matmul_all_reduce": MatmulAllReduceChoice}
 
 
 def _is_int(v) -> bool:
@@ -62,6 +77,7 @@ def _is_int(v) -> bool:
 # field -> (check, what it takes), per op.
 _GRID = (lambda v: _is_int(v) and v >= 0, "an int >= 0 (0: every SM)")
 _SWIZZLE = (lambda v: _is_int(v) and v in SWIZZLES, "1, 2, 4 or 8")
+_PUSH = (lambda v: v in ("chunked", "whole"), "'chunked' or 'whole'")
 FIELDS = {
     "all_gather_matmul": {
         "tile": (lambda v: v in AG_TILES, " or ".join(map(repr, AG_TILES))),
@@ -71,10 +87,16 @@ FIELDS = {
     },
     "matmul_reduce_scatter": {
         "reduce": (lambda v: v in ("epilogue", "pass"), "'epilogue' or 'pass'"),
-        "push": (lambda v: v in ("chunked", "whole"), "'chunked' or 'whole'"),
+        "push": _PUSH,
         "own_rows_schedule": (lambda v: v in OWN_ROWS_SCHEDULES, "'cooperative' or 'pingpong'"),
         "own_rows_swizzle": _SWIZZLE,
         "peer_rows_swizzle": _SWIZZLE,
+        "grid_sms": _GRID,
+    },
+    "matmul_all_reduce": {
+        "tile": (lambda v: v in AR_TILES, " or ".join(map(repr, AR_TILES))),
+        "push": _PUSH,
+        "swizzle": _SWIZZLE,
         "grid_sms": _GRID,
     },
 }
@@ -138,6 +160,7 @@ _MIN_WAVES = 4                  # all-gather tile: ping-pong under 4 waves of 12
 _EPILOGUE_BYTES_PER_K = 6144    # the epilogue's no-stall partial size, bytes per K
 _PINGPONG_MAX_K = 16384         # own-rows ping-pong up to this K_local
 _SWIZZLE_MIN_ROWS = 2048        # own-rows swizzle 4 from two bands of 4 cluster rows of tiles
+_DECODE_MAX_ROWS = 128          # GEMM+AllReduce: up to here few output tiles (stream-K's case)
 
 
 def all_gather_matmul_class(rows: int, n: int, sms: int) -> str:
@@ -164,11 +187,22 @@ def matmul_reduce_scatter_class(tp: int, batch: int, m: int, k: int, n: int,
   return f"{base}.{'rows_ge_2048' if m >= _SWIZZLE_MIN_ROWS else 'rows_lt_2048'}"
 
 
+def matmul_all_reduce_class(rows: int) -> str:
+  """The class of GEMM+AllReduce computing `rows` = batch * M rows: "decode" up to 128 rows
+  (few output tiles: stream-K spreads their K loops over the SMs), else "prefill", suffixed by
+  rows as GEMM+RS's own rows are (the swizzle pays from 2048 rows)."""
+  if rows <= _DECODE_MAX_ROWS:
+    return "decode"
+  return f"prefill.{'rows_ge_2048' if rows >= _SWIZZLE_MIN_ROWS else 'rows_lt_2048'}"
+
+
 def shape_classes(op: str) -> tuple:
   """Every class the classifier of `op` can return, from the same branches."""
   _check_op(op)
   if op == "all_gather_matmul":
     return ("few_waves", "many_waves")
+  if op == "matmul_all_reduce":
+    return ("decode", "prefill.rows_lt_2048", "prefill.rows_ge_2048")
   return ("tp_not_2", "batched") + tuple(
       f"{base}.{rows}" for base in ("whole_epilogue", "chunked", "chunked_long_k")
       for rows in ("rows_lt_2048", "rows_ge_2048"))
@@ -187,7 +221,7 @@ def lookup(op: str, dtype: str, tp: int, shape_class: str, arch: str = ARCH) -> 
 
 
 class Tuned(NamedTuple):
-  choice: AllGatherMatmulChoice | MatmulReduceScatterChoice
+  choice: AllGatherMatmulChoice | MatmulReduceScatterChoice | MatmulAllReduceChoice
   shape_class: str
 
 
@@ -231,6 +265,27 @@ def normalize_matmul_reduce_scatter(choice: MatmulReduceScatterChoice, forced: d
     raise ValueError(f"{op}: reduce='epilogue' needs tp=2 (here tp={tp}): the epilogue sums one "
                      "peer's partial. Override reduce='pass', or drop the reduce override.")
   return choice
+
+
+def choose_matmul_all_reduce(*, dtype: str, tp: int, batch: int, m: int, k: int, n: int,
+                             itemsize: int, arch: str = ARCH) -> Tuned:
+  """GEMM+AllReduce's choice for x [batch, m, k] and N n, classified by its rows (batch * m).
+  A chunked push needs an unbatched x (a batched output's row chunks are not contiguous): the
+  table's chunked push turns whole for a batched x; an overridden one raises. k, n and itemsize
+  complete the problem like the other ops' choosers take it; the classes split by rows alone."""
+  del k, n, itemsize
+  op = "matmul_all_reduce"
+  shape_class = matmul_all_reduce_class(batch * m)
+  entry = lookup(op, str(dtype), tp, shape_class, arch)
+  forced = overrides(op)
+  choice = MatmulAllReduceChoice(**{**entry.choice, **forced})
+  if choice.push == "chunked" and batch > 1:
+    if forced.get("push") == "chunked":
+      raise ValueError(f"{op}: push='chunked' needs an unbatched x (a batched output's row "
+                       f"chunks are not contiguous); here x has {batch} batch entries. Override "
+                       "push='whole', or fold the batch into the token axis.")
+    choice = dataclasses.replace(choice, push="whole")
+  return Tuned(choice, shape_class)
 
 
 def choose_own_rows_gemm(*, dtype: str, rows: int, k: int, n: int, itemsize: int) -> Tuned:

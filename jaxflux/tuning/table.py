@@ -11,7 +11,7 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-  op: str            # "all_gather_matmul" | "matmul_reduce_scatter"
+  op: str            # "all_gather_matmul" | "matmul_reduce_scatter" | "matmul_all_reduce"
   arch: str          # "sm90"
   dtype: str         # "bfloat16" | "float16" | "*"
   tp: int | str      # a group size or "*"
@@ -34,6 +34,7 @@ class AutoRule:
 
 _AG = "all_gather_matmul"
 _RS = "matmul_reduce_scatter"
+_AR = "matmul_all_reduce"
 
 # The all-gather GEMM's choices other than the tile: swizzle 4 and the own rows read from x.
 _AG_REST = {"swizzle": 4, "local_read": "direct"}
@@ -113,8 +114,33 @@ ENTRIES = (
           ("h200x2_gemm_rs_reduce_and_push.json",),
           "The epilogue reduction sums one peer's partial, so it serves tp=2 only; other group "
           "sizes sum every peer's partial in the separate wait+reduce pass."),
+    Entry(_AR, "sm90", "*", "*", "decode",
+          {"tile": "cooperative_128x128_streamk", "push": "whole", "swizzle": 1},
+          ("h200_gemm_all_reduce.json",),
+          "Up to 128 rows there are fewer output tiles than SMs. CUTLASS's stream-K GEMM, every "
+          "tile split along K, read the weight at 1.0-3.7 TB/s against 1.1-2.6 TB/s for the "
+          "persistent 128x256 GEMM, faster on 13 of 16 rows in both runs (not llama70b-out at "
+          "M = 1, 8, 128). Both trail cuBLAS (0.9-4.4 TB/s). One push: the partial is a few "
+          "rows."),
+    Entry(_AR, "sm90", "*", "*", "prefill.rows_lt_2048",
+          {"tile": "cooperative_128x256_cluster2x1", "push": "chunked", "swizzle": 1},
+          ("h200_gemm_all_reduce.json",),
+          "At 512 rows the persistent 128x256 GEMM without swizzle took 1.03-1.24x cuBLAS's time "
+          "in both runs, stream-K 1.03-1.56x (ahead of it on 1 of 4 shapes in one run, 3 of 4 in "
+          "the other), the persistent GEMM with swizzle 4 about twice cuBLAS's. The chunked push "
+          "lets a chunk's copy overlap the next chunk's GEMM, as GEMM+RS's push does; not yet "
+          "timed for this op on two GPUs."),
+    Entry(_AR, "sm90", "*", "*", "prefill.rows_ge_2048",
+          {"tile": "cooperative_128x256_cluster2x1", "push": "chunked", "swizzle": 4},
+          ("h200_gemm_all_reduce.json",),
+          "From 2048 rows swizzle 4 (bands of tile rows sharing B in L2) took 1.015x and 1.019x "
+          "cuBLAS's time on average in two runs (1.00-1.04) against 1.027x and 1.030x (0.97-1.08) "
+          "without: ahead on 8 of 8 measurements at 8192 rows (1-5%), level or behind on 6 of 8 "
+          "at 2048 (up to 4%). Chunked push as below 2048 rows."),
 )
 
+# GEMM+AllReduce has no rule, so impl="auto" takes XLA's psum for it: no two-GPU timing of the
+# fused op against XLA exists yet to say where it wins.
 AUTO_RULES = (
     AutoRule(_AG, "sm90", 2, 2048, None, ("h200x2_ag_gemm_tp2.json",),
              "On 2xH200 the fused kernel was at least level with XLA on every benchmark shape "
