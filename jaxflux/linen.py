@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+from flax.core import meta
+from flax.typing import Dtype, Initializer
 from jax import lax
 
 from jaxflux import _tensor_parallel as tpm
@@ -22,16 +24,66 @@ class _Partitioned(nn.Partitioned):
   def unbox(self, apply_constraint=True):
     if not apply_constraint:
       return self.value
-    return tpm.apply_partitioning(self.value, self.names, self.mesh)
+    return tpm.apply_partitioning(self.value, _mesh_names(self), self.mesh)
 
 
-def _with_partitioning(init, names: tuple, mesh):
-  """`nn.with_partitioning` with `_Partitioned`; the new value is laid out already, over
-  `mesh` (the layer's field) or, when it is None, the ambient mesh."""
+class _LogicallyPartitioned(nn.LogicallyPartitioned):
+  """`nn.LogicallyPartitioned` that also works on Explicit mesh axes (see `_Partitioned`).
+
+  Its names stay logical (`nn.get_partition_spec` gives them, `nn.logical_to_mesh_sharding`
+  maps them); unboxing lays the value out over the mesh axes that its rules, else the active
+  `nn.logical_axis_rules`, map them to, as Flax does.
+  """
+
+  def unbox(self, apply_constraint=True):
+    if not apply_constraint:
+      return self.value
+    return tpm.apply_partitioning(self.value, _mesh_names(self), self.mesh)
+
+
+def _mesh_names(box: nn.Partitioned) -> tuple:
+  """A box's partitioning as mesh axes: logical names through their rules (the box's own,
+  else the active ones), as Flax maps them; plain `nn.Partitioned` names are mesh axes."""
+  if isinstance(box, nn.LogicallyPartitioned):
+    rules = box.rules if box.rules is not None else nn.get_logical_axis_rules()
+    return tuple(nn.logical_to_mesh_axes(box.names, rules))
+  return tuple(box.names)
+
+
+def _user_box(init: Initializer, shape: tuple, dtype: Dtype,
+              field: str) -> nn.Partitioned | None:
+  """The partitioning box that `init` returns (`nn.with_partitioning`,
+  `nn.with_logical_partitioning`), or None; `init` is only traced, not run."""
+  out = jax.eval_shape(lambda: init(jax.random.key(0), shape, dtype))
+  if isinstance(out, nn.Partitioned):
+    return out
+  if isinstance(out, meta.AxisMetadata):
+    raise ValueError(
+      f"jaxflux.Dense: {field} returns {type(out).__name__}; a tensor-parallel layer takes "
+      "a plain initializer, or one wrapped in nn.with_partitioning / "
+      "nn.with_logical_partitioning."
+    )
+  return None
+
+
+def _template(box: nn.Partitioned, mesh: jax.sharding.Mesh | None) -> nn.Partitioned:
+  """`box`'s metadata (names, rules, mesh: else the layer's) in a box of ours, no value."""
+  mesh = box.mesh if box.mesh is not None else mesh
+  if isinstance(box, nn.LogicallyPartitioned):
+    return _LogicallyPartitioned(None, box.names, mesh=mesh, rules=box.rules)
+  return _Partitioned(None, box.names, mesh=mesh)
+
+
+def _laid_out(init: Initializer, template: nn.Partitioned) -> Initializer:
+  """`init` whose value (unboxed if `init` boxes it) is laid out per `template` over its mesh
+  or, when it is None, the ambient mesh, and boxed like `template`."""
 
   def wrapped(*args, **kwargs):
-    value = tpm.apply_partitioning(init(*args, **kwargs), names, mesh)
-    return _Partitioned(value, names, mesh)
+    value = init(*args, **kwargs)
+    if isinstance(value, nn.Partitioned):
+      value = value.value
+    return template.replace_boxed(
+      tpm.apply_partitioning(value, _mesh_names(template), template.mesh))
 
   return wrapped
 
@@ -55,6 +107,27 @@ class Dense(nn.Dense):
 
   A column layer followed by a row layer is a sequence-parallel MLP: tokens are
   sharded between the pair and gathered / scattered inside the fused matmuls.
+
+  With ``sequence_parallel=False`` (Megatron's plain tensor parallelism) tokens are
+  never sharded: a column layer takes them replicated and multiplies locally (no
+  communication), a row layer gives its output replicated through
+  ``jaxflux.matmul_all_reduce``. The params, their partitioning and checkpoints are
+  the same either way.
+
+  Logical axes (FSDP x TP). A ``kernel_init`` wrapped in
+  ``nn.with_logical_partitioning(init, ("embed", "mlp"))`` keeps its names: the params
+  come boxed as ``nn.LogicallyPartitioned`` with those names and rules, as Flax makes
+  them, so ``nn.get_partition_spec`` and ``nn.logical_to_mesh_sharding(spec, mesh,
+  rules)`` give the model's shardings. The rules (the box's own, else the active
+  ``nn.logical_axis_rules``) must map the kernel's sharded dimension (column: output
+  features, row: input features) to exactly one mesh axis, else a ValueError names the
+  logical axis and the rules: that axis is the layer's tensor-parallel axis. With
+  ``axis_name`` left None the layer takes it; a given ``axis_name`` must be the same
+  axis. Other mesh axes in the rules (``("embed", "fsdp")``) stay on the stored params
+  and their gradients; the matmul gets the kernel gathered over them, as for any FSDP
+  weight. A ``bias_init`` wrapped the same way keeps its names too; an unwrapped one
+  gets the kernel's output-feature name (column) or none (row: replicated).
+  ``nn.with_partitioning`` boxes work alike, their names being mesh axes.
 
   Example usage::
 
@@ -90,21 +163,27 @@ class Dense(nn.Dense):
     dot_general_cls: dot product class; only with ``tensor_parallel=None``.
     tensor_parallel: ``None`` (plain ``flax.linen.Dense``), ``"column"`` or
       ``"row"``; see above.
-    axis_name: the mesh axis that shards the layer (default ``"tp"``).
+    axis_name: the mesh axis that shards the layer. Default None: the axis that a
+      partitioned ``kernel_init`` puts its sharded dimension on (see Logical axes),
+      else ``"tp"``.
     token_axis: the input (and output) axis holding tokens, the axis that is
       gathered / scattered (default -2). Any axis but the last (feature) one;
       other values are moved to -2 around the op, which costs a transpose.
-      The number of tokens must be divisible by the size of the axis.
+      The number of tokens must be divisible by the size of the axis. Not read
+      with ``sequence_parallel=False``.
     mesh: the device mesh; default: the ambient mesh of ``jax.set_mesh``.
     impl: ``"auto"``, ``"fused"`` (fused kernel or an error) or ``"xla"``
       (pure-JAX reference); passed to the ops.
+    sequence_parallel: ``True`` (default): tokens sharded between a column and a
+      row layer; ``False``: tokens replicated (see above).
   """
 
   tensor_parallel: str | None = None
-  axis_name: str = "tp"
+  axis_name: str | None = None
   token_axis: int = -2
   mesh: jax.sharding.Mesh | None = None
   impl: str = "auto"
+  sequence_parallel: bool = True
 
   def __post_init__(self):
     tpm.check_config(
@@ -113,6 +192,7 @@ class Dense(nn.Dense):
       axis_name=self.axis_name,
       token_axis=self.token_axis,
       impl=self.impl,
+      sequence_parallel=self.sequence_parallel,
     )
     if self.tensor_parallel is not None and (
       self.dot_general is not None or self.dot_general_cls is not None
@@ -123,6 +203,43 @@ class Dense(nn.Dense):
         "tensor-parallel layer runs jaxflux's fused matmul instead."
       )
     super().__post_init__()
+
+  def _tensor_parallel_params(
+    self, mode: str, in_features: int
+  ) -> tuple[str, str | None, Initializer, Initializer]:
+    """The tensor-parallel axis, where it came from (None: axis_name or the default), and
+    the kernel and bias initializers that box and lay out the params.
+
+    A kernel_init that boxes its value (nn.with_partitioning / nn.with_logical_partitioning)
+    keeps its names; its sharded dimension names the axis (tpm.axis_from_partitioning).
+    Otherwise the params get the mode's partitioning over the axis. A bias_init without a
+    box gets the bias partitioning that goes with the kernel's.
+    """
+    layer = "jaxflux.Dense"
+    shape = (in_features, self.features)
+    kernel_box = _user_box(self.kernel_init, shape, self.param_dtype, "kernel_init")
+    origin = None
+    if kernel_box is None:
+      axis = self.axis_name or tpm.DEFAULT_AXIS
+      kernel = _Partitioned(None, tpm.param_partitioning(mode, axis)[0], mesh=self.mesh)
+    else:
+      kernel = _template(kernel_box, self.mesh)
+      spec = _mesh_names(kernel)
+      rules = None
+      if isinstance(kernel, nn.LogicallyPartitioned):
+        rules = kernel.rules if kernel.rules is not None else nn.get_logical_axis_rules()
+      axis = tpm.axis_from_partitioning(
+        layer, mode, self.axis_name, names=kernel.names, spec=spec, rules=rules,
+        source="kernel_init")
+      origin = tpm.axis_origin(mode, kernel.names, spec, "kernel_init")
+    bias_box = None
+    if self.use_bias:
+      bias_box = _user_box(self.bias_init, (self.features,), self.param_dtype, "bias_init")
+    if bias_box is None:
+      bias = kernel.replace(names=tpm.bias_partitioning(mode, kernel.names))
+    else:
+      bias = _template(bias_box, self.mesh)
+    return axis, origin, _laid_out(self.kernel_init, kernel), _laid_out(self.bias_init, bias)
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -136,17 +253,14 @@ class Dense(nn.Dense):
       ``[..., features]``, the layout of ``inputs``.
     """
     mode = self.tensor_parallel
-    kernel_init, bias_init = self.kernel_init, self.bias_init
+    kernel_init, bias_init, axis = self.kernel_init, self.bias_init, None
     if mode is not None:
+      axis, origin, kernel_init, bias_init = self._tensor_parallel_params(
+        mode, inputs.shape[-1])
       # Check before creating params: an uneven split fails less clearly there.
-      mesh = tpm.resolve_mesh("jaxflux.Dense", mode, self.mesh, self.axis_name)
+      mesh = tpm.resolve_mesh("jaxflux.Dense", mode, self.mesh, axis, origin)
       tpm.check_divisible(
-        "jaxflux.Dense", mode, self.axis_name, mesh.shape[self.axis_name],
-        inputs.shape[-1], self.features,
-      )
-      kernel_names, bias_names = tpm.param_partitioning(mode, self.axis_name)
-      kernel_init = _with_partitioning(kernel_init, kernel_names, self.mesh)
-      bias_init = _with_partitioning(bias_init, bias_names, self.mesh)
+        "jaxflux.Dense", mode, axis, mesh.shape[axis], inputs.shape[-1], self.features)
 
     kernel = self.param(
       "kernel", kernel_init, (inputs.shape[-1], self.features), self.param_dtype
@@ -184,10 +298,11 @@ class Dense(nn.Dense):
       kernel,
       bias,
       mode=mode,
-      axis_name=self.axis_name,
+      axis_name=axis,
       token_axis=self.token_axis,
       mesh=self.mesh,
       impl=self.impl,
       precision=self.precision,
       preferred_element_type=None,  # flax.linen.Dense has no such field
+      sequence_parallel=self.sequence_parallel,
     )

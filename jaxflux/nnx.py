@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.core import spmd as flax_spmd
 from flax.nnx.nn import dtypes, linear
 from flax.typing import DotGeneralT, Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax import lax
@@ -17,8 +19,106 @@ from jaxflux import _tensor_parallel as tpm
 
 __all__ = ["Linear"]
 
-# Metadata keys under which flax (old and new spellings) stores a Param's sharding.
-_SHARDING_KEYS = ("out_sharding", "sharding", "sharding_names")
+# Older spellings of a Param's `out_sharding` metadata, which flax renames in this order.
+_OLD_SHARDING_KEYS = ("sharding", "sharding_names")
+
+
+def _sharding_metadata(init: Initializer, metadata: Mapping[str, Any], shape: tuple,
+                       dtype: Dtype) -> dict:
+  """The metadata that `nnx.Param(init(key, shape, dtype), **metadata)` gets (what `init`
+  sets wins, older sharding keys become `out_sharding`, as in flax); `init` is only traced."""
+  found = {}
+
+  def run():
+    out = init(jax.random.key(0), shape, dtype)
+    if isinstance(out, nnx.VariableMetadata):
+      found.update(out.metadata)
+      out = out.raw_value
+    return out
+
+  jax.eval_shape(run)
+  merged = {**metadata, **found}
+  for key in _OLD_SHARDING_KEYS:
+    if key in merged:
+      merged["out_sharding"] = merged.pop(key)
+  return merged
+
+
+def _with_metadata(init: Initializer, extra: dict) -> Initializer:
+  """`init` whose Param metadata also holds `extra`, over what `init` itself sets."""
+
+  def wrapped(*args):
+    out = init(*args)
+    if isinstance(out, nnx.VariableMetadata):
+      return dataclasses.replace(out, metadata={**out.metadata, **extra})
+    return nnx.VariableMetadata(out, metadata=dict(extra))
+
+  return wrapped
+
+
+def _mesh_spec(names, rules) -> tuple:
+  """Sharding names as mesh axes, mapped as flax maps them when it creates the Param: through
+  the active `nnx.logical_axis_rules` and the Param's `sharding_rules`; unmapped names stay."""
+  return tuple(flax_spmd.get_pspec(tuple(names), rules))
+
+
+def _tensor_parallel_params(
+  mode: str,
+  axis_name: str | None,
+  mesh: jax.sharding.Mesh | None,
+  shape: tuple[int, int],
+  dtype: Dtype,
+  kernel_init: Initializer,
+  kernel_metadata: Mapping[str, Any],
+  bias_init: Initializer,
+  bias_metadata: Mapping[str, Any],
+  use_bias: bool,
+) -> tuple[str, Initializer, Initializer, tuple[tuple, tuple | None]]:
+  """The tensor-parallel axis, kernel / bias initializers that carry the params' sharding, and
+  that sharding as mesh axes (kernel spec, bias spec).
+
+  A kernel with sharding metadata of its own (`nnx.with_partitioning` on kernel_init, or
+  `out_sharding` in kernel_metadata) keeps it; its sharded dimension, mapped to mesh axes
+  (`_mesh_spec`), names the axis (tpm.axis_from_partitioning). Otherwise the params get the
+  mode's partitioning over the axis. A bias without sharding gets the one that goes with the
+  kernel's (and its rules).
+  """
+  layer = "jaxflux.nnx.Linear"
+  kernel = _sharding_metadata(kernel_init, kernel_metadata, shape, dtype)
+  names, rules, origin = kernel.get("out_sharding"), kernel.get("sharding_rules"), None
+  if not names:
+    axis = axis_name or tpm.DEFAULT_AXIS
+    names = tpm.param_partitioning(mode, axis)[0]
+    kernel_init = _with_metadata(kernel_init, {"out_sharding": names, "mesh": mesh})
+  else:
+    names = tuple(getattr(names, "spec", names))  # A NamedSharding's spec.
+    spec = _mesh_spec(names, rules)
+    active = flax_spmd.composite_rules(flax_spmd.get_logical_axis_rules(), rules)
+    source = "kernel_init / kernel_metadata"
+    axis = tpm.axis_from_partitioning(
+      layer, mode, axis_name, names=names, spec=spec, rules=active or None, source=source)
+    origin = tpm.axis_origin(mode, names, spec, source)
+    if mesh is not None and kernel.get("mesh") is None:
+      kernel_init = _with_metadata(kernel_init, {"mesh": mesh})
+  specs = (_mesh_spec(names, rules), None)
+  if use_bias:
+    bias = _sharding_metadata(bias_init, bias_metadata, shape[1:], dtype)
+    bias_names, bias_rules = bias.get("out_sharding"), bias.get("sharding_rules")
+    if not bias_names:
+      bias_names, bias_rules = tpm.bias_partitioning(mode, names), rules
+      extra = {"out_sharding": bias_names, "mesh": mesh}
+      if rules:
+        extra["sharding_rules"] = rules
+      bias_init = _with_metadata(bias_init, extra)
+    elif mesh is not None and bias.get("mesh") is None:
+      bias_init = _with_metadata(bias_init, {"mesh": mesh})
+    specs = (specs[0], _mesh_spec(getattr(bias_names, "spec", bias_names), bias_rules))
+  # Params with sharding metadata are placed on the mesh when created (flax's eager
+  # sharding), so the mesh and an even split are needed now.
+  if mesh is not None or nnx.using_eager_sharding():
+    mesh = tpm.resolve_mesh(layer, mode, mesh, axis, origin)
+    tpm.check_divisible(layer, mode, axis, mesh.shape[axis], *shape)
+  return axis, kernel_init, bias_init, specs
 
 
 class Linear(nnx.Linear):
@@ -36,6 +136,25 @@ class Linear(nnx.Linear):
   - ``"row"``: input features sharded in, tokens sharded out
     (``jaxflux.matmul_reduce_scatter``). Params: kernel ``P(axis, None)``,
     bias replicated.
+
+  With ``sequence_parallel=False`` (Megatron's plain tensor parallelism) tokens are
+  never sharded: a column layer takes them replicated and multiplies locally (no
+  communication), a row layer gives its output replicated through
+  ``jaxflux.matmul_all_reduce``. The params, their partitioning and checkpoints are
+  the same either way.
+
+  Logical axes (FSDP x TP). A kernel with sharding metadata of its own
+  (``kernel_init=nnx.with_partitioning(init, ("embed", "mlp"))``, or ``out_sharding``
+  in ``kernel_metadata``, with optional ``sharding_rules``) keeps it, and flax shards the
+  Param by it, mapping the names through the active ``nnx.logical_axis_rules`` and its
+  ``sharding_rules`` (a name without a rule is a mesh axis). The kernel's sharded
+  dimension (column: output features, row: input features) must map to exactly one mesh
+  axis, else a ValueError names the logical axis and the rules: that axis is the layer's
+  tensor-parallel axis. With ``axis_name`` left None the layer takes it; a given
+  ``axis_name`` must be the same axis. Other mesh axes (``("embed", "fsdp")``) stay on the
+  stored params and their gradients; the matmul gets the kernel gathered over them. The
+  rules are read when the layer is built. A bias with sharding metadata keeps it; one
+  without gets the kernel's output-feature name (column) or none (row: replicated).
 
   Example usage::
 
@@ -69,19 +188,24 @@ class Linear(nnx.Linear):
       common dtype, called as ``promote_dtype((inputs, kernel, bias), dtype=dtype)``.
     preferred_element_type: the dtype the matmul outputs (see ``jax.lax.dot``).
     rngs: rng key.
-    kernel_metadata: metadata for the kernel ``Param``; with ``tensor_parallel``
-      set, it must not hold a sharding (the layer sets it).
+    kernel_metadata: metadata for the kernel ``Param``; a sharding in it (or from
+      ``kernel_init``) is kept, see Logical axes.
     bias_metadata: metadata for the bias ``Param``, as for the kernel.
     tensor_parallel: ``None`` (plain ``flax.nnx.Linear``), ``"column"`` or
       ``"row"``; see above.
-    axis_name: the mesh axis that shards the layer (default ``"tp"``).
+    axis_name: the mesh axis that shards the layer. Default None: the axis that the
+      kernel's sharding puts its sharded dimension on (see Logical axes), else ``"tp"``.
+      The built layer holds the resolved axis.
     token_axis: the input (and output) axis holding tokens, the axis that is
       gathered / scattered (default -2). Any axis but the last (feature) one;
       other values are moved to -2 around the op, which costs a transpose.
-      The number of tokens must be divisible by the size of the axis.
+      The number of tokens must be divisible by the size of the axis. Not read
+      with ``sequence_parallel=False``.
     mesh: the device mesh; default: the ambient mesh of ``jax.set_mesh``.
     impl: ``"auto"``, ``"fused"`` (fused kernel or an error) or ``"xla"``
       (pure-JAX reference); passed to the ops.
+    sequence_parallel: ``True`` (default): tokens sharded between a column and a
+      row layer; ``False``: tokens replicated (see above).
   """
 
   def __init__(
@@ -102,10 +226,11 @@ class Linear(nnx.Linear):
     kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
     bias_metadata: Mapping[str, Any] = MappingProxyType({}),
     tensor_parallel: str | None = None,
-    axis_name: str = "tp",
+    axis_name: str | None = None,
     token_axis: int = -2,
     mesh: jax.sharding.Mesh | None = None,
     impl: str = "auto",
+    sequence_parallel: bool = True,
   ):
     tpm.check_config(
       "jaxflux.nnx.Linear",
@@ -113,15 +238,20 @@ class Linear(nnx.Linear):
       axis_name=axis_name,
       token_axis=token_axis,
       impl=impl,
+      sequence_parallel=sequence_parallel,
     )
+    param_specs = None
     if tensor_parallel is not None:
-      self._check_tensor_parallel_args(
-        tensor_parallel, axis_name, mesh, in_features, out_features,
-        dot_general, kernel_metadata, bias_metadata,
+      if dot_general is not lax.dot_general:
+        raise ValueError(
+          f"jaxflux.nnx.Linear(tensor_parallel={tensor_parallel!r}): a custom dot_general "
+          "is only supported with tensor_parallel=None; the tensor-parallel layer runs "
+          "jaxflux's fused matmul instead."
+        )
+      axis_name, kernel_init, bias_init, param_specs = _tensor_parallel_params(
+        tensor_parallel, axis_name, mesh, (in_features, out_features), param_dtype,
+        kernel_init, kernel_metadata, bias_init, bias_metadata, use_bias,
       )
-      kernel_names, bias_names = tpm.param_partitioning(tensor_parallel, axis_name)
-      kernel_init = nnx.with_partitioning(kernel_init, kernel_names, mesh)
-      bias_init = nnx.with_partitioning(bias_init, bias_names, mesh)
     super().__init__(
       in_features,
       out_features,
@@ -143,36 +273,11 @@ class Linear(nnx.Linear):
     self.token_axis = token_axis
     self.mesh = mesh
     self.impl = impl
-
-  @staticmethod
-  def _check_tensor_parallel_args(
-    mode, axis_name, mesh, in_features, out_features,
-    dot_general, kernel_metadata, bias_metadata,
-  ) -> None:
-    layer = f"jaxflux.nnx.Linear(tensor_parallel={mode!r})"
-    if dot_general is not lax.dot_general:
-      raise ValueError(
-        f"{layer}: a custom dot_general is only supported with "
-        "tensor_parallel=None; the tensor-parallel layer runs jaxflux's fused "
-        "matmul instead."
-      )
-    for name, metadata in (("kernel_metadata", kernel_metadata),
-                           ("bias_metadata", bias_metadata)):
-      clash = [k for k in _SHARDING_KEYS if k in metadata]
-      if clash:
-        raise ValueError(
-          f"{layer}: {name} sets {clash}, but the layer sets the params' "
-          "sharding from tensor_parallel and axis_name; drop it from "
-          f"{name}."
-        )
-    # Params with sharding metadata are placed on the mesh when created (flax's
-    # eager sharding), so the mesh and an even split are needed now.
-    if mesh is not None or nnx.using_eager_sharding():
-      mesh = tpm.resolve_mesh("jaxflux.nnx.Linear", mode, mesh, axis_name)
-      tpm.check_divisible(
-        "jaxflux.nnx.Linear", mode, axis_name, mesh.shape[axis_name],
-        in_features, out_features,
-      )
+    self.sequence_parallel = sequence_parallel
+    # The params' sharding as mesh axes, resolved with the rules active when they were made:
+    # applied to them at each call (as linen's boxes do on unbox), so that on Auto axes their
+    # gradients are constrained to it too.
+    self._param_specs = param_specs
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
     """Applies ``inputs @ kernel + bias`` over the last dimension of inputs.
@@ -195,8 +300,11 @@ class Linear(nnx.Linear):
         "sharding follows from the mode (column: features sharded, row: tokens "
         "sharded). Reshard the result if you need another layout."
       )
-    kernel = self.kernel[...]
-    bias = self.bias[...] if self.bias is not None else None
+    kernel_spec, bias_spec = self._param_specs
+    kernel = tpm.apply_partitioning(self.kernel[...], kernel_spec, self.mesh)
+    bias = None
+    if self.bias is not None:
+      bias = tpm.apply_partitioning(self.bias[...], bias_spec, self.mesh)
     inputs, kernel, bias = self.promote_dtype(
       (inputs, kernel, bias), dtype=self.dtype
     )
@@ -212,4 +320,5 @@ class Linear(nnx.Linear):
       impl=self.impl,
       precision=self.precision,
       preferred_element_type=self.preferred_element_type,
+      sequence_parallel=self.sequence_parallel,
     )

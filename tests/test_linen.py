@@ -78,12 +78,12 @@ def test_fields_match_flax():
   theirs = [f for f in dataclasses.fields(nn.Dense) if f.name not in ("parent", "name")]
   names = [f.name for f in dataclasses.fields(jaxflux.Dense) if f.name not in ("parent", "name")]
   assert names == [f.name for f in theirs] + [
-    "tensor_parallel", "axis_name", "token_axis", "mesh", "impl"]
+    "tensor_parallel", "axis_name", "token_axis", "mesh", "impl", "sequence_parallel"]
   for f in theirs:
     assert ours[f.name].default is f.default
   defaults = jaxflux.Dense(4)
   assert (defaults.tensor_parallel, defaults.axis_name, defaults.token_axis,
-          defaults.mesh, defaults.impl) == (None, "tp", -2, None, "auto")
+          defaults.mesh, defaults.impl) == (None, None, -2, None, "auto")
   assert isinstance(defaults, nn.Dense)
 
 

@@ -113,8 +113,9 @@ def test_signature_matches_flax():
     assert a.default is b.default or a.default == b.default, a.name
   extras = {p.name: (p.kind, p.default) for p in ours[len(theirs):]}
   kw = inspect.Parameter.KEYWORD_ONLY
-  assert extras == {"tensor_parallel": (kw, None), "axis_name": (kw, "tp"),
-                    "token_axis": (kw, -2), "mesh": (kw, None), "impl": (kw, "auto")}
+  assert extras == {"tensor_parallel": (kw, None), "axis_name": (kw, None),
+                    "token_axis": (kw, -2), "mesh": (kw, None), "impl": (kw, "auto"),
+                    "sequence_parallel": (kw, True)}
   assert issubclass(jaxflux.nnx.Linear, nnx.Linear)
 
 
