@@ -11,7 +11,9 @@ machine: process 0 runs the coordinator on 127.0.0.1 and only process 0 prints.
     python examples/launch_multiprocess.py -n 2 --cpu-devices 2 -- --tp 2 --steps 20
     python examples/launch_multiprocess.py --bench -- --op ag_gemm --M 2048,8192
 
-Arguments after ``--`` go to the training script (or the benchmark). Exits with the first
+Every process runs with the Python that runs the launcher (sys.executable): start it with the
+one that has jaxflux installed (.venv/bin/python after the README's setup). Arguments after
+``--`` go to the training script (or the benchmark). Exits with the first
 non-zero exit status of a process; when one process fails, the others are stopped after a grace
 period instead of waiting for a peer that is gone.
 """
@@ -19,6 +21,7 @@ period instead of waiting for a peer that is gone.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -52,6 +55,13 @@ def local_gpus() -> list[str]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")]
+
+
+def missing_modules(names=("jax", "jaxflux")) -> list[str]:
+    """The modules the processes need that this interpreter cannot import: each process runs
+    with this interpreter (sys.executable), so a launcher started by a Python without jaxflux
+    would start N processes that all fail on their first import."""
+    return [name for name in names if importlib.util.find_spec(name) is None]
 
 
 def launch(commands: list[list[str]], envs: list[dict], *, timeout: float | None = None,
@@ -102,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds before all processes are killed (default: none)")
     args = p.parse_args(ours)
+    missing = missing_modules()
+    if missing:
+        p.error(f"{sys.executable} cannot import {', '.join(missing)}, and every process runs "
+                "with it: run the launcher with the Python that has jaxflux installed, e.g. "
+                ".venv/bin/python examples/launch_multiprocess.py after the README's setup")
 
     gpus = local_gpus() if args.platform != "cpu" else []
     if args.platform == "gpu" and not gpus:

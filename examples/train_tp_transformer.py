@@ -22,6 +22,7 @@ under GSPMD with XLA's windowed-einsum flags (its own collective matmul) added t
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import functools
 import importlib.metadata
@@ -30,6 +31,7 @@ import math
 import os
 import pathlib
 import platform
+import re
 import shlex
 import sys
 import time
@@ -241,27 +243,67 @@ def host_copy(tree, mesh):
   return jax.device_get(tree)
 
 
-def train(model, params, shardings, tx, batches, mesh, label, log):
-  """Losses and per-step wall times (batch transfer to loss on the host; step 0 compiles)."""
+def fused_calls(hlo: str) -> dict[str, int]:
+  """jaxflux's fused-kernel custom calls in compiled HLO, by target (none: the XLA path)."""
+  return dict(sorted(collections.Counter(
+      re.findall(r'custom_call_target="(jaxflux_\w+)"', hlo)).items()))
+
+
+def xla_reason(args, mesh) -> str:
+  """Why a jaxflux run's matmuls took the XLA path, from public facts: the impl, the platform,
+  jaxflux.has_cuda(), the GPUs' compute capability, the dtype, then the tuning table's rules."""
+  impl = "xla" if args.mode == "xla" else args.impl
+  if impl == "xla":
+    return "impl=xla"
+  device = mesh.devices.flat[0]
+  if device.platform != "gpu":
+    return f"impl={impl}: fused kernels need Hopper GPUs; this is {device.platform}"
+  if not jaxflux.has_cuda():
+    return f"impl={impl}: this jaxflux build has no CUDA kernels (jaxflux.has_cuda() is False)"
+  capability = str(getattr(device, "compute_capability", "9.0"))
+  if capability != "9.0":
+    return (f"impl={impl}: fused kernels need Hopper GPUs (compute capability 9.0); these "
+            f"are {capability}")
+  if args.dtype not in ("bfloat16", "float16"):
+    return f"impl={impl}: fused kernels take bfloat16/float16, this run is {args.dtype}"
+  if jax.process_count() > 1 and len(jax.local_devices()) > 1:
+    return f"impl={impl}: under jax.distributed the fused kernels need one GPU per process"
+  rules = sorted({(r.tp, r.min_rows) for r in jaxflux.tuning.AUTO_RULES})
+  return (f"impl={impl}: no jaxflux.tuning.AUTO_RULES rule for tp={mesh.shape['tp']} at these "
+          "sizes (" + "; ".join(f"tp={t} from {n} rows" for t, n in rules) + ")")
+
+
+def compile_step(model, params, shardings, tx, batch, mesh):
+  """(compiled train step, initial optimizer state, seconds to compile): compiled before the
+  first step, so that no step time includes compilation."""
   step, opt_state = train_state(model, tx, params, shardings, mesh)
+  start = time.perf_counter()
+  compiled = step.lower(params, opt_state, *device_batch(batch, mesh)).compile()
+  return compiled, opt_state, time.perf_counter() - start
+
+
+def train(compiled, params, opt_state, batches, mesh, label, log, log_every=1):
+  """Losses and per-step wall times (batch transfer to loss on the host)."""
   losses, times = [], []
   for i, batch in enumerate(batches):
     start = time.perf_counter()
-    params, opt_state, loss = step(params, opt_state, *device_batch(batch, mesh))
+    params, opt_state, loss = compiled(params, opt_state, *device_batch(batch, mesh))
     losses.append(float(loss))
     times.append(time.perf_counter() - start)
-    log(f"[{label}] step {i:4d}  loss {losses[-1]:.5f}  {1e3 * times[-1]:9.2f} ms")
+    if i % log_every == 0 or i == len(batches) - 1:
+      log(f"[{label}] step {i:4d}  loss {losses[-1]:.5f}  {1e3 * times[-1]:9.2f} ms")
   return losses, times
 
 
-SKIP_STEPS = 2  # left out of the step-time median: compilation and the first run
+SKIP_STEPS = 1  # left out of the step-time median: the first run (allocations, warm-up)
 
 
-def timing(times, tokens_per_step) -> dict:
+def timing(times, tokens_per_step, compile_s) -> dict:
   timed = times[SKIP_STEPS:]
   median = float(np.median(timed)) if timed else float("nan")
   return dict(step_ms=[1e3 * t for t in times], step_ms_median=1e3 * median,
-              tokens_per_s=tokens_per_step / median, timed_steps=len(timed))
+              tokens_per_s=tokens_per_step / median, timed_steps=len(timed),
+              compile_s=compile_s)
 
 
 PRESETS = {
@@ -299,6 +341,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--no-compare", action="store_true", help="skip the flax.linen.Dense run")
   p.add_argument("--quiet", action="store_true", help="no per-step lines")
+  p.add_argument("--log-every", type=int, default=0, metavar="N",
+                 help="a progress line every N steps (default: about 10 lines per run)")
   p.add_argument("--out", metavar="FILE.json", help="write losses, step times, machine, versions")
   p.add_argument("--distributed", metavar="COORD,NUM,ID", nargs="?", const="auto",
                  help="join jax.distributed as process ID of NUM (coordinator host:port); bare: "
@@ -337,11 +381,13 @@ def init_process(args) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-  """Runs the example; returns both loss curves, step times and the verdict ("ok")."""
+  """Runs the example; returns both loss curves, step and compile times, the fused kernels'
+  custom calls in the compiled step, and the verdict ("ok")."""
   args = parse_args(argv)
   init_process(args)
   print_ = print if jax.process_index() == 0 else (lambda *a, **k: None)
   log = (lambda s: None) if args.quiet else print_
+  log_every = args.log_every if args.log_every > 0 else max(1, args.steps // 10)
   mesh = make_mesh(args.tp)
   dp, tp = mesh.shape["dp"], mesh.shape["tp"]
   for name in ("seq", "heads", "ffn"):
@@ -354,8 +400,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
          f"{'set' if windowed_flags_set() else 'NOT set (run as a script)'}"
          if mode == "windowed" else f"impl={'xla' if mode == 'xla' else args.impl}")
   print_(f"mesh: dp={dp} x tp={tp} on {platform_} ({mesh.devices.size} devices, "
-         f"{jax.process_count()} process(es)), dtype={args.dtype}, mode={mode} ({how}); "
-         f"fused kernels {'available' if jaxflux.has_cuda() else 'unavailable'} here")
+         f"{jax.process_count()} process(es)), dtype={args.dtype}, mode={mode} ({how})")
 
   batches = [synthetic_batch(args.seed, i, args.batch, args.seq, args.vocab)
              for i in range(args.steps)]
@@ -369,11 +414,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print_(f"params: {sum(x.size for x in jax.tree.leaves(params)):,}")
     # Kept for the comparison below: training donates the device copy.
     host_params = None if args.no_compare else host_copy(params, mesh)
-    losses, times = train(model, params, shardings, tx, batches, mesh, mode, log)
-    t = timing(times, tokens)
-    result.update({mode: losses, "losses": losses, **t})
+    step, opt_state, compile_s = compile_step(model, params, shardings, tx, batches[0], mesh)
+    # What the compiled step runs, read from its HLO: the fused kernels' custom calls.
+    calls = fused_calls(step.as_text())
+    path = ("flax.linen.Dense under GSPMD" if mode == "windowed" else
+            "fused kernels: " + ", ".join(f"{n} x{c}" for n, c in calls.items()) if calls
+            else f"XLA path ({xla_reason(args, mesh)})")
+    print_(f"[{mode}] compiled in {compile_s:.2f} s; matmuls: {path}")
+    losses, times = train(step, params, opt_state, batches, mesh, mode, log, log_every)
+    t = timing(times, tokens, compile_s)
+    result.update({mode: losses, "losses": losses, **t, "fused_calls": calls})
     print_(f"{mode}: loss {losses[0]:.4f} -> {losses[-1]:.4f}; step "
-           f"{t['step_ms_median']:.2f} ms median, {t['tokens_per_s']:,.0f} tokens/s")
+           f"{t['step_ms_median']:.2f} ms median of {t['timed_steps']} after the first, "
+           f"{t['tokens_per_s']:,.0f} tokens/s; compile {compile_s:.2f} s")
     ok = all(map(math.isfinite, losses))
 
     if not args.no_compare:
@@ -384,24 +437,29 @@ def main(argv: Sequence[str] | None = None) -> dict:
           np.array_equal(a, b) for a, b in zip(jax.tree.leaves(host_params),
                                                jax.tree.leaves(ref_host))):
         raise RuntimeError("the jaxflux.Dense and flax.linen.Dense models' params differ")
-      ref_losses, ref_times = train(ref_model, ref_params, shardings, tx, batches, mesh,
-                                    "flax", log)
-      ref_t = timing(ref_times, tokens)
+      ref_step, ref_opt_state, ref_compile_s = compile_step(ref_model, ref_params, shardings,
+                                                            tx, batches[0], mesh)
+      print_(f"[flax] compiled in {ref_compile_s:.2f} s")
+      ref_losses, ref_times = train(ref_step, ref_params, ref_opt_state, batches, mesh, "flax",
+                                    log, log_every)
+      ref_t = timing(ref_times, tokens, ref_compile_s)
       diff = np.abs(np.subtract(losses, ref_losses))
       rel = float(np.max(diff / np.maximum(np.abs(ref_losses), 1e-12)))
       # float32 matmuls are TF32 on GPU; bfloat16 rounds differently in the row layers.
       rtol = 5e-2 if args.dtype == "bfloat16" else (1e-4 if platform_ == "cpu" else 2e-2)
       ok = ok and rel <= rtol
       result.update(flax=ref_losses, max_rel_diff=rel, rtol=rtol,
-                    flax_step_ms_median=ref_t["step_ms_median"])
+                    flax_step_ms_median=ref_t["step_ms_median"], flax_compile_s=ref_compile_s)
       print_(f"flax.linen.Dense: loss {ref_losses[0]:.4f} -> {ref_losses[-1]:.4f}; step "
-             f"{ref_t['step_ms_median']:.2f} ms median")
+             f"{ref_t['step_ms_median']:.2f} ms median; compile {ref_compile_s:.2f} s")
       print_(f"final losses: {mode} {losses[-1]:.6f}  flax {ref_losses[-1]:.6f}; max relative "
              f"difference {rel:.3e} (rtol {rtol:g}): {'MATCH' if rel <= rtol else 'MISMATCH'}")
   result["ok"] = ok
   if args.out and jax.process_index() == 0:
     write_record(args.out, sys.argv[1:] if argv is None else list(argv), result)
-    print_(f"wrote {args.out}")
+    print_(f"wrote {args.out} (loss curves, step times, machine, versions)")
+  elif not args.out:
+    print_("--out FILE.json writes the full loss curves, step times, machine and versions")
   return result
 
 

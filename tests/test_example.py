@@ -74,9 +74,12 @@ def test_trains_and_matches_flax(example, extra, dp, tp):
   # Same params, same batches: the curves agree to float32 rounding.
   assert result["max_rel_diff"] <= 1e-4, (ours, ref)
   assert result["ok"]
-  # Timing: the steps after the first two (compilation, first run).
-  assert result["timed_steps"] == 8 and len(result["step_ms"]) == 10
+  # Timing: compiled before step 0, then the steps after the first run.
+  assert result["timed_steps"] == 9 and len(result["step_ms"]) == 10
   assert result["step_ms_median"] > 0 and result["tokens_per_s"] > 0
+  assert result["compile_s"] > 0 and result["flax_compile_s"] > 0
+  # On CPU the compiled step has no fused-kernel custom calls: the XLA path.
+  assert result["fused_calls"] == {}
 
 
 def test_rejects_indivisible_heads(example):
@@ -94,12 +97,43 @@ def test_modes_match_flax(example, mode):
   ours, ref = result[mode], result["flax"]
   assert result["losses"] is ours and len(ours) == len(ref) == 4
   assert result["max_rel_diff"] <= 1e-4, (ours, ref)
-  # Timing over steps 2 and 3; tokens/s from the median.
-  assert len(result["step_ms"]) == 4 and result["timed_steps"] == 2
-  assert 0 < min(result["step_ms"][2:]) <= result["step_ms_median"]
+  # Timing over steps 1 to 3; tokens/s from the median.
+  assert len(result["step_ms"]) == 4 and result["timed_steps"] == 3
+  assert 0 < min(result["step_ms"][1:]) <= result["step_ms_median"]
   tokens_per_step = 8 * 32
   assert result["tokens_per_s"] == pytest.approx(tokens_per_step / result["step_ms_median"] * 1e3)
   assert result["flax_step_ms_median"] > 0
+
+
+def test_output_names_the_path_and_keeps_compile_apart(example, capsys):
+  """What a user reads: which path the matmuls took and why, the compile time on its own
+  line, about ten progress lines per run instead of one per step, and the comparison."""
+  _require_devices(8)
+  argv = [a for a in SMALL if a != "--quiet"] + ["--tp", "8", "--steps", "20"]
+  result = example.main(argv)
+  out = capsys.readouterr().out
+  assert "mode=jaxflux (impl=auto)" in out, out
+  assert ("[jaxflux] compiled in " in out and "matmuls: XLA path (impl=auto: fused kernels "
+          "need Hopper GPUs; this is cpu)" in out), out
+  assert "[flax] compiled in " in out, out
+  for label in ("jaxflux", "flax"):
+    steps = [line for line in out.splitlines() if line.startswith(f"[{label}] step ")]
+    # Every 2nd step (20 // 10) and the last: 0, 2, ..., 18, 19.
+    assert [int(line.split()[2]) for line in steps] == [*range(0, 20, 2), 19], steps
+  assert "median of 19 after the first" in out and f"compile {result['compile_s']:.2f} s" in out
+  assert "MATCH" in out and "--out FILE.json writes the full loss curves" in out
+  # Compilation is not in any step time: step 0 is a run like the others, not seconds longer.
+  assert result["step_ms"][0] < 1e3 * result["compile_s"], (result["step_ms"], result["compile_s"])
+
+
+def test_log_every(example, capsys):
+  _require_devices(8)
+  argv = [a for a in SMALL if a != "--quiet"] + ["--tp", "8", "--steps", "5", "--no-compare",
+                                                  "--log-every", "3"]
+  example.main(argv)
+  steps = [line.split()[2] for line in capsys.readouterr().out.splitlines()
+           if line.startswith("[jaxflux] step ")]
+  assert steps == ["0", "3", "4"], steps
 
 
 def test_windowed_flags_as_script():
@@ -159,12 +193,15 @@ def test_preset_lr_warmup_starts_from_zero(example):
   assert abs(moved[1] - frozen[1]) > 1e-3 * abs(frozen[1])
 
 
-def test_out_writes_a_json_record(example, tmp_path):
+def test_out_writes_a_json_record(example, tmp_path, capsys):
   import json
 
   _require_devices(8)
   path = tmp_path / "run.json"
   result = example.main(SMALL + ["--tp", "8", "--steps", "3", "--no-compare", "--out", str(path)])
+  out = capsys.readouterr().out  # --quiet: no step lines, the rest as usual
+  assert "[jaxflux] step" not in out and "[jaxflux] compiled in" in out, out
+  assert f"wrote {path}" in out, out
   record = json.loads(path.read_text())
   assert record["command"].startswith("python examples/train_tp_transformer.py --steps 10")
   assert record["command"].endswith(f"--out {path}")
@@ -172,6 +209,7 @@ def test_out_writes_a_json_record(example, tmp_path):
   assert record["date"] and record["mode"] == "jaxflux"
   assert record["losses"] == pytest.approx(result["losses"], rel=1e-6)
   assert len(record["step_ms"]) == 3
+  assert record["compile_s"] > 0 and record["fused_calls"] == {}
 
 
 def test_uses_the_public_api_only():
@@ -184,3 +222,38 @@ def test_uses_the_public_api_only():
   used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
           and isinstance(n.value, ast.Name) and n.value.id == "jaxflux"}
   assert used and not any(a.startswith("_") for a in used), used
+
+
+LAUNCHER = EXAMPLE.parent / "launch_multiprocess.py"
+
+
+def test_launcher_refuses_an_interpreter_without_jaxflux(monkeypatch, capsys):
+  """Every process runs with the launcher's interpreter: one that can't import jax or jaxflux
+  is refused up front, saying which Python to use, instead of N failing processes."""
+  import importlib.util
+
+  launcher = load_script(LAUNCHER, "launch_multiprocess")
+  assert launcher.missing_modules() == []  # the test's interpreter has both
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "jax" else real(name, *a))
+  monkeypatch.setattr(launcher, "launch", lambda *a, **k: pytest.fail("launched anyway"))
+  with pytest.raises(SystemExit) as exit_:
+    launcher.main(["-n", "2", "--platform", "cpu"])
+  assert exit_.value.code == 2
+  err = capsys.readouterr().err
+  assert f"{sys.executable} cannot import jax" in err and ".venv/bin/python examples/" in err
+
+
+def test_readme_commands_use_the_venv_python():
+  """The README's setup makes .venv without activating it: the example commands there and in
+  examples/README.md name its interpreter, so they run as written from a fresh clone."""
+  import re
+
+  root = EXAMPLE.parents[1]
+  for doc in (root / "README.md", root / "examples" / "README.md"):
+    for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), flags=re.S):
+      for line in block.splitlines():
+        for script in ("train_tp_transformer.py", "launch_multiprocess.py"):
+          if f"examples/{script}" in line:
+            assert f".venv/bin/python examples/{script}" in line, (doc.name, line)

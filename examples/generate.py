@@ -1,0 +1,349 @@
+"""Greedy generation with a KV cache from the training example's model, on tensor-parallel
+jaxflux.Dense layers, checked against the same model built from flax.linen.Dense.
+
+    python examples/generate.py                        # tp = all local devices
+    python examples/generate.py --tp 4 --batch 16      # 2-way dp x 4-way tp on 8 devices
+    python examples/generate.py --preset llama70b-8l   # Llama-70B layers, 8 of them (GPUs)
+
+The model is train_tp_transformer.py's: the same layers and parameter tree, and its params come
+from that example's init (so a trained checkpoint of it loads as is). Here it runs with a KV
+cache: one prefill of a batch of prompts, then one decode step per new token, greedy. It runs
+twice from the same params, (a) on jaxflux.Dense layers and (b) on flax.linen.Dense under XLA's
+partitioner, and compares the generated tokens (exit status 1 if they differ on CPU in float32,
+where they must be identical).
+
+Sharding (mesh ('dp', 'tp'), dp Explicit, tp Auto): tensor parallelism without sequence
+parallelism. A decode step has one token per sequence, too few to shard, so the residual stream
+[B, T, C] stays replicated over tp. QKV and MLP-fc1 are column-parallel with
+sequence_parallel=False (replicated tokens in, features sharded out: no communication);
+attention-out and MLP-fc2 are row-parallel with sequence_parallel=False (sharded features in,
+the output all-reduced: jaxflux.matmul_all_reduce). The KV cache [B, S, heads, head_dim] is
+sharded over heads like the QKV features that fill it, so attention is local to each device.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import pathlib
+import platform
+import shlex
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+
+if __name__ == "__main__" and os.environ.get("JAX_PLATFORMS", "") in ("", "cpu"):
+  # Before any JAX backend starts: 8 virtual CPU devices (no effect on the GPU client).
+  jax.config.update("jax_num_cpu_devices", 8)
+
+import flax.linen as nn  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jaxflux  # noqa: E402
+# The training example's model code (the script's folder is on sys.path when run as a script).
+import train_tp_transformer as train  # noqa: E402
+
+Cache = list  # per layer, (keys, values), each [batch, max_len, heads, head_dim]
+
+
+def jaxflux_dense(impl: str) -> Callable[..., nn.Module]:
+  """jaxflux.Dense for inference: tensor-parallel layers with sequence_parallel=False."""
+  def dense(features: int, *, tensor_parallel: str | None = None, **kwargs) -> nn.Module:
+    # Only the tensor-parallel layers take sequence_parallel; the LM head is a plain Dense.
+    if tensor_parallel is not None:
+      kwargs.update(tensor_parallel=tensor_parallel, sequence_parallel=False)
+    return jaxflux.Dense(features, impl=impl, **kwargs)
+  return dense
+
+
+def replicated(x):
+  """The residual stream: batch over dp (in its Explicit type), the rest replicated over tp."""
+  return train.shard_tp(x, *(None,) * (x.ndim - 1))
+
+
+class CachedAttention(nn.Module):
+  """The training example's attention (same params and math), reading and writing a KV cache."""
+  heads: int
+  dense: Callable[..., nn.Module]
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, cache, pos):  # x [B, T, C] at positions pos .. pos + T - 1
+    b, t, c = x.shape
+    d = c // self.heads
+    qkv = self.dense(3 * c, tensor_parallel="column", dtype=self.dtype, name="qkv")(x)
+    qkv = train.shard_tp(qkv.reshape(b, t, self.heads, 3, d), None, "tp", None, None)
+    q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+    keys = lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), pos, axis=1)
+    values = lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), pos, axis=1)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, keys,
+                        preferred_element_type=jnp.float32) / math.sqrt(d)
+    # Causal over absolute positions; this also hides the cache slots not yet written.
+    visible = jnp.arange(keys.shape[1])[None, :] <= pos + jnp.arange(t)[:, None]
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, values).reshape(b, t, c)
+    out = train.shard_tp(out, None, "tp")
+    return self.dense(c, tensor_parallel="row", dtype=self.dtype, name="out")(out), (keys, values)
+
+
+class CachedBlock(nn.Module):
+  heads: int
+  ffn: int
+  activation: str
+  dense: Callable[..., nn.Module]
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, cache, pos):
+    h = nn.RMSNorm(dtype=self.dtype, name="norm1")(x)
+    a, cache = CachedAttention(self.heads, self.dense, self.dtype, name="attn")(h, cache, pos)
+    x = replicated(x + a)
+    h = nn.RMSNorm(dtype=self.dtype, name="norm2")(x)
+    mlp = train.MLP(self.ffn, self.activation, self.dense, self.dtype, name="mlp")
+    return replicated(x + mlp(h)), cache
+
+
+class Decoder(nn.Module):
+  """train.Transformer with a KV cache: tokens [B, T] at positions pos .. pos + T - 1 ->
+  the logits of the last position [B, V] (all that greedy decoding needs) and the new cache."""
+  vocab: int
+  hidden: int
+  heads: int
+  layers: int
+  ffn: int
+  activation: str
+  dense: Callable[..., nn.Module]
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, tokens, cache: Cache, pos):
+    table = nn.Embed(self.vocab, self.hidden, dtype=self.dtype, name="embed").embedding
+    # A plain lookup is ambiguous on an Explicit dp axis: name the output layout.
+    spec = jax.typeof(tokens).sharding.spec
+    x = replicated(jnp.asarray(table, self.dtype).at[tokens].get(out_sharding=P(*spec, None)))
+    new_cache = []
+    for i in range(self.layers):
+      block = CachedBlock(self.heads, self.ffn, self.activation, self.dense, self.dtype,
+                          name=f"block{i}")
+      x, layer_cache = block(x, cache[i], pos)
+      new_cache.append(layer_cache)
+    x = nn.RMSNorm(dtype=self.dtype, name="norm_f")(x[:, -1])
+    return self.dense(self.vocab, dtype=self.dtype, name="lm_head")(x), new_cache
+
+
+MODEL_FIELDS = ("vocab", "hidden", "heads", "layers", "ffn", "activation")
+
+
+def build_decoder(args, dense) -> Decoder:
+  return Decoder(*(getattr(args, f) for f in MODEL_FIELDS), dense, jnp.dtype(args.dtype))
+
+
+def init_params(args, mesh):
+  """The training example's params, from its init with --seed, laid out as it lays them out."""
+  dp, tp = mesh.shape["dp"], mesh.shape["tp"]
+  # Its init traces the sequence-parallel model: any input of dp sequences of tp tokens will do.
+  targs = argparse.Namespace(**{**vars(args), "batch": dp, "seq": tp})
+  specs = train.param_specs(targs)
+  return train.prepare(targs, mesh, train.flax_dense, specs)[1]
+
+
+def empty_cache(args, mesh, length: int) -> Cache:
+  shape = (args.batch, length, args.heads, args.hidden // args.heads)
+  sharding = NamedSharding(mesh, P("dp", None, "tp", None))
+  make = lambda: [(jnp.zeros(shape, args.dtype),) * 2 for _ in range(args.layers)]
+  return jax.jit(make, out_shardings=sharding)()
+
+
+def compiled_steps(model, params, prompts, cache):
+  """(prefill, decode step, seconds each took to compile), compiled ahead of time so that no
+  timed call compiles. They take tokens [B, T] (prefill) or [B] (the last generated ones) and
+  return (greedy next token [B], float32 logits [B, V], cache); the cache is donated, so each
+  step updates it in place."""
+  def step(params, tokens, cache, pos):
+    tokens = tokens.reshape(tokens.shape[0], -1)  # in the program: no extra dispatch per step
+    logits, cache = model.apply({"params": params}, tokens, cache, pos)
+    logits = logits.astype(jnp.float32)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, cache
+
+  jitted = jax.jit(step, donate_argnums=2)
+  out = []
+  for tokens in (prompts, prompts[:, 0]):
+    start = time.perf_counter()
+    out.append(jitted.lower(params, tokens, cache, jnp.int32(0)).compile())
+    out.append(time.perf_counter() - start)
+  return out
+
+
+def generate(model, params, prompts, cache, new_tokens: int) -> dict:
+  """Prefill, then new_tokens - 1 decode steps, each timed until its token is ready (the
+  median is the per-token latency; the first step's one-time costs fall outside it)."""
+  prefill, prefill_compile_s, decode, decode_compile_s = compiled_steps(model, params, prompts,
+                                                                        cache)
+  batch, length = prompts.shape
+  positions = [jnp.int32(length + i) for i in range(new_tokens - 1)]
+  # The first run of a program pays one-time costs (allocations, thread start-up): time the
+  # second. Both write the same cache slots.
+  for _ in range(2):
+    start = time.perf_counter()
+    token, logits, cache = prefill(params, prompts, cache, jnp.int32(0))
+    token.block_until_ready()
+    prefill_s = time.perf_counter() - start
+  tokens, all_logits, step_s = [token], [logits], []
+  for pos in positions:
+    start = time.perf_counter()
+    token, logits, cache = decode(params, token, cache, pos)
+    token.block_until_ready()
+    step_s.append(time.perf_counter() - start)
+    tokens.append(token)
+    all_logits.append(logits)
+  median = float(np.median(step_s))
+  return dict(tokens=np.stack(jax.device_get(tokens), 1),
+              logits=np.stack(jax.device_get(all_logits), 1),
+              compile_s=dict(prefill=prefill_compile_s, decode_step=decode_compile_s),
+              prefill_ms=1e3 * prefill_s, prefill_tokens_per_s=batch * length / prefill_s,
+              step_ms=[1e3 * s for s in step_s], step_ms_median=1e3 * median,
+              tokens_per_s=batch / median)
+
+
+def compare(ours: dict, ref: dict) -> dict:
+  """Whether the generated tokens agree; else the first step (new-token index) where any
+  sequence differs. The logit difference is taken where both runs saw the same inputs: at that
+  first step, or over all steps when the tokens agree."""
+  differ = np.flatnonzero((ours["tokens"] != ref["tokens"]).any(axis=0))
+  first = int(differ[0]) if differ.size else None
+  steps = slice(first, first + 1) if differ.size else slice(None)
+  diff = np.abs(ours["logits"][:, steps] - ref["logits"][:, steps])
+  return dict(tokens_match=first is None, first_diff_step=first,
+              max_logit_diff=float(diff.max()))
+
+
+def run(label: str, args, mesh, dense, params, prompts, log) -> dict:
+  model = build_decoder(args, dense)
+  cache = empty_cache(args, mesh, args.prompt_len + args.new_tokens)
+  r = generate(model, params, prompts, cache, args.new_tokens)
+  log(f"[{label}] compile: prefill {r['compile_s']['prefill']:.2f} s, decode step "
+      f"{r['compile_s']['decode_step']:.2f} s; prefill {r['prefill_ms']:.2f} ms "
+      f"({r['prefill_tokens_per_s']:,.0f} tokens/s); decode {r['step_ms_median']:.3f} ms/token "
+      f"(median of {len(r['step_ms'])}), {r['tokens_per_s']:,.0f} tokens/s")
+  return r
+
+
+PRESETS = {
+    "small": dict(vocab=256, hidden=128, heads=8, layers=2, ffn=512, activation="gelu",
+                  batch=8, prompt_len=32, new_tokens=32, dtype="float32"),
+    # The training example's Llama-70B-sized layers (8 of them), decoding a batch of 16.
+    "llama70b-8l": {**{k: train.PRESETS["llama70b-8l"][k] for k in MODEL_FIELDS},
+                    "batch": 16, "prompt_len": 1024, "new_tokens": 64, "dtype": "bfloat16"},
+}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--preset", choices=tuple(PRESETS), default="small",
+                 help="model and run defaults (explicit flags win)")
+  p.add_argument("--impl", choices=("auto", "fused", "xla"), default="auto",
+                 help="jaxflux.Dense impl of run (a)")
+  p.add_argument("--batch", type=int, help="prompts (divisible by dp)")
+  p.add_argument("--prompt-len", type=int, help="tokens per prompt")
+  p.add_argument("--new-tokens", type=int, help="tokens generated per prompt (>= 2)")
+  p.add_argument("--tp", type=int, default=None, help="tp size (default: all devices)")
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute and cache dtype")
+  p.add_argument("--seed", type=int, default=0, help="params (the training example's init) "
+                 "and prompts")
+  p.add_argument("--hidden", type=int)
+  p.add_argument("--heads", type=int, help="divisible by tp")
+  p.add_argument("--layers", type=int)
+  p.add_argument("--ffn", type=int, help="MLP width (divisible by tp)")
+  p.add_argument("--vocab", type=int)
+  p.add_argument("--activation", choices=("gelu", "swiglu"))
+  p.add_argument("--quiet", action="store_true", help="print the verdict only")
+  p.add_argument("--out", metavar="FILE.json", help="write config, timings, the comparison, "
+                 "machine and versions")
+  p.set_defaults(**PRESETS[p.parse_known_args(argv)[0].preset])
+  args = p.parse_args(argv)
+  if args.hidden % args.heads:
+    p.error(f"--hidden {args.hidden} must be divisible by --heads {args.heads}")
+  if min(args.batch, args.prompt_len) < 1 or args.new_tokens < 2:
+    p.error("--batch and --prompt-len must be at least 1, --new-tokens at least 2 (the first "
+            "new token comes from the prefill, the others from the timed decode steps)")
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+  """Runs both models. Returns the config, both runs' timings and tokens and the comparison (as
+  in the JSON record), and for further checks the params, the prompts and both runs' logits."""
+  args = parse_args(argv)
+  log = (lambda s: None) if args.quiet else print
+  mesh = train.make_mesh(args.tp)
+  dp, tp = mesh.shape["dp"], mesh.shape["tp"]
+  for name in ("heads", "ffn"):
+    if getattr(args, name) % tp:
+      raise ValueError(f"--{name} {getattr(args, name)} must be divisible by tp={tp}")
+  if args.batch % dp:
+    raise ValueError(f"--batch {args.batch} must be divisible by dp={dp}")
+  platform_ = mesh.devices.flat[0].platform
+  log(f"mesh: dp={dp} x tp={tp} on {platform_} ({mesh.devices.size} devices), dtype="
+      f"{args.dtype}, impl={args.impl}; fused kernels "
+      f"{'available' if jaxflux.has_cuda() else 'unavailable'} here")
+  # Prompts as the training data looks (a per-row arithmetic sequence with noise).
+  prompts_host = train.synthetic_batch(args.seed, 0, args.batch, args.prompt_len - 1, args.vocab)
+  with jax.set_mesh(mesh):
+    params = init_params(args, mesh)
+    prompts = jax.device_put(prompts_host, NamedSharding(mesh, P("dp", None)))
+    log(f"params: {sum(x.size for x in jax.tree.leaves(params)):,}; batch {args.batch}, "
+        f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens")
+    ours = run("jaxflux", args, mesh, jaxflux_dense(args.impl), params, prompts, log)
+    ref = run("flax", args, mesh, train.flax_dense, params, prompts, log)
+  match = compare(ours, ref)
+  # Identical on the XLA path in float32 on CPU; elsewhere (TF32 or bfloat16 matmuls, fused
+  # kernels summing in another order) a near-tie can flip a token: reported, not failed.
+  exact = platform_ == "cpu" and args.dtype == "float32"
+  ok = match["tokens_match"] or not exact
+  where = ("all steps" if match["tokens_match"]
+           else f"step {match['first_diff_step']}, the first that differs")
+  print(f"generated tokens {'MATCH' if match['tokens_match'] else 'DIFFER'} between jaxflux.Dense "
+        f"and flax.linen.Dense; max logit difference {match['max_logit_diff']:.3e} ({where})")
+  timings = lambda r: {k: v for k, v in r.items() if k not in ("tokens", "logits")}
+  result = dict(config=vars(args), dp=dp, tp=tp, jaxflux=timings(ours), flax=timings(ref),
+                match=match, exact_match_required=exact, ok=ok,
+                tokens=ours["tokens"].tolist(), flax_tokens=ref["tokens"].tolist())
+  if args.out:
+    write_record(args.out, sys.argv[1:] if argv is None else list(argv), result)
+    log(f"wrote {args.out}")
+  return dict(result, params=params, prompts=prompts_host, logits=ours["logits"],
+              flax_logits=ref["logits"])
+
+
+def write_record(path: str, argv: Sequence[str], result: dict) -> None:
+  """The run as JSON: the command, UTC date, machine and versions, then the result."""
+  versions = {"python": platform.python_version()}
+  for name in ("jax", "jaxlib", "flax", "numpy", "jaxflux"):
+    try:
+      versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  devices = jax.devices()
+  record = {
+      "command": f"python examples/generate.py {shlex.join(argv)}",
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "machine": {"platform": devices[0].platform, "device_count": len(devices),
+                  "device_kinds": sorted({d.device_kind for d in devices}),
+                  "fused_kernels": jaxflux.has_cuda()},
+      "versions": versions, **result}
+  out = pathlib.Path(path)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+  sys.exit(0 if main()["ok"] else 1)
