@@ -34,7 +34,8 @@ NO_DRIVER = ("NVIDIA-SMI has failed because it couldn't communicate with the NVI
 def _machine_env(tmp_path: pathlib.Path, nvidia_smi: tuple[str, int] | None,
                  **env: str) -> dict[str, str]:
   """This process's environment with a fake nvidia-smi first on PATH that prints
-  `nvidia_smi[0]` and exits with `nvidia_smi[1]` (None: no fake), CUDACXX unset, then `env`."""
+  `nvidia_smi[0]` and exits with `nvidia_smi[1]` (None: no fake), CUDACXX and JAXFLUX_CUDA
+  unset (CI exports JAXFLUX_CUDA), then `env`."""
   path = os.environ.get("PATH", "")
   if nvidia_smi is not None:
     fake = tmp_path / "bin" / "nvidia-smi"
@@ -43,7 +44,7 @@ def _machine_env(tmp_path: pathlib.Path, nvidia_smi: tuple[str, int] | None,
     fake.write_text(f"#!/bin/sh\nprintf '%s\\n' '{text}'\nexit {status}\n")
     fake.chmod(0o755)
     path = f"{fake.parent}{os.pathsep}{path}"
-  run_env = {k: v for k, v in os.environ.items() if k != "CUDACXX"}
+  run_env = {k: v for k, v in os.environ.items() if k not in ("CUDACXX", "JAXFLUX_CUDA")}
   run_env.update(PATH=path, **env)
   return run_env
 
