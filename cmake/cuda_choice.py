@@ -7,8 +7,8 @@ kernels' own build requirements only when they will be built, and CMake
   ON    always, also without a GPU (a build machine); CMake fails when no CUDA compiler is found.
   AUTO  (the default) only where the kernels can run: a CUDA compiler is found (CUDACXX, or nvcc
         on PATH) and nvidia-smi lists a GPU of compute capability 9.0 (Hopper: the kernels' one
-        target is sm_90a). Compiling them takes about 20 minutes on 2 cores, wasted on a machine
-        that cannot run them, which gets the pure-JAX build instead.
+        target is sm_90a). Compiling them is most of the install, wasted on a machine that
+        cannot run them, which gets the pure-JAX build instead.
 
 As a script, `python cuda_choice.py VALUE` prints "ON", or "OFF" and the line CMake shows, or fails
 naming the accepted values.
