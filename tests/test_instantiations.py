@@ -46,7 +46,13 @@ def test_two_all_gather_matmul_tile_configs_per_dtype_and_layout(generator):
   ag = [i for i in generator.instances() if i.kernel == "ag_gemm_sm90"]
   assert list(generator.AG_GEMM_TILES) == ["cooperative_128x256_cluster2x1",
                                            "pingpong_128x128_cluster1x2"]
-  assert len(ag) == len(generator.DTYPES) * 2 * len(generator.B_LAYOUTS) == 8
+  # The FP8 configs are the same tiles in the same order (AgGemmConfig), K-major B only.
+  assert list(generator.AG_GEMM_FP8_TILES) == list(generator.AG_GEMM_TILES)
+  sixteen_bit = len(generator.DTYPES) * 2 * len(generator.B_LAYOUTS)
+  fp8 = len(generator.FP8_DTYPES) * 2
+  assert len(ag) == sixteen_bit + fp8 == 12
+  assert all(i.name.endswith("_kmajor") for i in ag if i.name.split("_")[0] in
+             generator.FP8_DTYPES)
 
 
 # How each dispatch file names an instance: declared, then listed in its table.
@@ -71,6 +77,9 @@ def test_the_all_gather_matmul_table_is_in_enum_order(generator):
   dispatch = (KERNELS / "ag_gemm_sm90_dispatch.cu").read_text()
   table = dispatch[dispatch.index("kTable"):]
   listed = re.findall(r"JAXFLUX_AG_GEMM_ENTRY\((\w+)\)", table)
+  # GemmDtype order: the 16-bit kinds, both layouts; then FP8, K-major only.
   expected = [f"{dtype}_{tiles}_{layout}" for dtype in generator.DTYPES
               for layout in ("nmajor", "kmajor") for tiles in generator.AG_GEMM_TILES]
+  expected += [f"{dtype}_{tiles}_kmajor" for dtype in generator.FP8_DTYPES
+               for tiles in generator.AG_GEMM_FP8_TILES]
   assert listed == expected

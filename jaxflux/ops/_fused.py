@@ -98,3 +98,70 @@ def matmul_all_reduce(x, w, axis_name: str, *, transpose_w: bool = False,
       debug_skip_rank=debug_skip_rank, transpose_w=int(transpose_w),
       **_attributes.matmul_all_reduce(tuned.choice))
   return _common.mark_varying(y, axes)
+
+
+# --- FP8 ---------------------------------------------------------------------------------------
+# The same targets with FP8 x (e4m3/e5m2) and w (e4m3, always given K-major as [n, K]): the
+# scales come as two more operands after the rank operand, x's one per row and w's one per
+# output column (float32), applied in the GEMMs' epilogues; outputs are bfloat16.
+
+def _fp8_scales(x_scale_rows, w_scale_cols) -> tuple:
+  return (x_scale_rows.astype(jnp.float32).reshape(-1),
+          w_scale_cols.astype(jnp.float32).reshape(-1))
+
+
+def all_gather_matmul_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str,
+                          want_gathered: bool, *, out_dtype, debug_skip_rank: int = -1):
+  """(y, x_full or None) for FP8 x [..., m, K] and w [n, K] (K-major): y = all_gather(x ·
+  x_scale_rows) · (w · w_scale_cols)ᵀ in out_dtype (bfloat16); x_full in x's dtype. The row
+  scales [..., m, 1] travel with x (the kernel gathers them beside it)."""
+  tp = lax.axis_size(axis_name)
+  m, k = x.shape[-2:]
+  n = w.shape[0]
+  batch = math.prod(x.shape[:-2])
+  if tp == 1:  # nothing to gather
+    y = gemm.gemm(x, w, transpose_w=True, x_scale=x_scale_rows, w_scale=w_scale_cols,
+                  out_dtype=out_dtype)
+    return y, (x if want_gathered else None)
+  shard_bytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+  tuned = tuning.choose_all_gather_matmul(dtype=jnp.dtype(x.dtype).name, tp=tp,
+                                          rows=batch * tp * m, n=n, sms=_runtime.sm_count())
+  out_types = [jax.ShapeDtypeStruct(x.shape[:-2] + (tp * m, n), jnp.dtype(out_dtype))]
+  if want_gathered:
+    out_types.append(jax.ShapeDtypeStruct(x.shape[:-2] + (tp * m, k), x.dtype))
+  # Each parity half: the gathered A, then the gathered row scales [batch][tp][m] (float32).
+  half = _group_call.slot_bytes(tp * shard_bytes) + _group_call.slot_bytes(batch * tp * m * 4)
+  outs = _group_call.call(
+      "all_gather_matmul", out_types, (x, w), axis_name, 2 * half,
+      scales=_fp8_scales(x_scale_rows, w_scale_cols), debug_skip_rank=debug_skip_rank,
+      transpose_w=1, **_attributes.all_gather_matmul(tuned.choice, m))
+  axes = (_common.vma(x) | _common.vma(w) | _common.vma(x_scale_rows) | _common.vma(w_scale_cols)
+          | {axis_name})
+  outs = [_common.mark_varying(o, axes) for o in outs]
+  return outs[0], (outs[1] if want_gathered else None)
+
+
+def matmul_reduce_scatter_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str, *, out_dtype,
+                              debug_skip_rank: int = -1):
+  """z = reduce_scatter((x · x_scale_rows) · (w · w_scale_cols)ᵀ) for FP8 x [..., M, k] and w
+  [N, k] (K-major), in out_dtype (bfloat16); the partials pushed and summed are bfloat16."""
+  tp = lax.axis_size(axis_name)
+  if tp == 1:  # nothing to reduce
+    return gemm.gemm(x, w, transpose_w=True, x_scale=x_scale_rows, w_scale=w_scale_cols,
+                     out_dtype=out_dtype)
+  m = x.shape[-2] // tp
+  k = x.shape[-1]
+  n = w.shape[0]
+  batch = math.prod(x.shape[:-2])
+  out_itemsize = jnp.dtype(out_dtype).itemsize  # the partials' element
+  tuned = tuning.choose_matmul_reduce_scatter(dtype=jnp.dtype(x.dtype).name, tp=tp, batch=batch,
+                                              m=m, k=k, n=n, itemsize=out_itemsize)
+  partial_bytes = batch * m * n * out_itemsize
+  z = _group_call.call(
+      "matmul_reduce_scatter", jax.ShapeDtypeStruct(x.shape[:-2] + (m, n), jnp.dtype(out_dtype)),
+      (x, w), axis_name, 2 * 2 * tp * _group_call.slot_bytes(partial_bytes),
+      scales=_fp8_scales(x_scale_rows, w_scale_cols), debug_skip_rank=debug_skip_rank,
+      transpose_w=1, **_attributes.matmul_reduce_scatter(tuned.choice))
+  axes = (_common.vma(x) | _common.vma(w) | _common.vma(x_scale_rows) | _common.vma(w_scale_cols)
+          | {axis_name})
+  return _common.mark_varying(z, axes)

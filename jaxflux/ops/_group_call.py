@@ -43,15 +43,15 @@ def slot_bytes(nbytes: int) -> int:
 
 
 def call(op: str, out_types, operands: tuple, axis_name: str, workspace_bytes: int, *,
-         debug_skip_rank: int = -1, **attrs):
+         scales: tuple = (), debug_skip_rank: int = -1, **attrs):
   """Calls the FFI target of `op` (xla_ffi/ffi/) for this device's group on `axis_name`: makes
-  the workspace hold `workspace_bytes`, appends the rank operand to `operands`, and passes the
-  common attributes plus `attrs` (int64). debug_skip_rank: test hook; that rank never signals
-  its peers, so they time out."""
+  the workspace hold `workspace_bytes`, appends the rank operand to `operands`, then `scales`
+  (an FP8 call's x row and w column scales), and passes the common attributes plus `attrs`
+  (int64). debug_skip_rank: test hook; that rank never signals its peers, so they time out."""
   info, num_groups = rank_info(axis_name, op)
   generation = _runtime.ensure_workspace(workspace_bytes)
   ffi_call = jax.ffi.ffi_call(_runtime.target_name(op), out_types)
-  return ffi_call(*operands, info,
+  return ffi_call(*operands, info, *scales,
                   tp=np.int64(lax.axis_size(axis_name)),
                   num_groups=np.int64(num_groups),
                   site=np.int64(_runtime.new_site_id()),

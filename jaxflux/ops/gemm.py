@@ -5,6 +5,12 @@ one of the CUTLASS sm90 kernels the fused ops run, tuned from jaxflux.tuning as 
 would tune it. Timing it against XLA's dot (cuBLAS) on the same shape says what the fused path's
 GEMM costs: if it is slower, fusion loses what it hides. Not a public API.
 
+FP8 (x float8_e4m3fn or float8_e5m2, w float8_e4m3fn given transposed, [N, K]): the output is
+bfloat16 (x @ w) * x_scale * w_scale with x_scale [..., M, 1] and w_scale [1, N] float32, the
+scales applied in the epilogue, as the fused FP8 ops run it. `accumulate` picks kernel 0's
+accumulation ("fast": wgmma's accumulator; "promoted": fp32 registers every 4 k-blocks); the
+fused kernels are built with "fast" (FP8_ACCUMULATE, per x dtype).
+
 Kernels (the `kernel` attribute of the jaxflux_gemm target):
   "cutlass"            CUTLASS's persistent GEMM, the one GEMM+RS runs for its peers' rows
   "all_gather_matmul"  the AG+GEMM kernel with its waits off (one shard, no rotation)
@@ -24,12 +30,23 @@ from jaxflux import _runtime, tuning
 from jaxflux.ops import _common, _platform
 
 KERNELS = {"cutlass": 0, "all_gather_matmul": 1, "own_rows": 2, "matmul_all_reduce": 0}
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+# How the fused FP8 kernels accumulate, per x dtype (xla_ffi/kernels/gemm_sm90.h, kFp8FastAccum).
+FP8_ACCUMULATE = {"float8_e4m3fn": "fast", "float8_e5m2": "fast"}
 
 
 def _check_operands(op: str, x, w) -> tuple[int, int]:
   """The kernels' operand rules at trace time: x [..., M, K] and w [K, N] of one dtype, bf16 or
-  fp16, K and N multiples of 8. Returns (K, N)."""
+  fp16, K and N multiples of 8; or FP8 x and an e4m3 w, K and N multiples of 16. Returns
+  (K, N)."""
   _common.check_operands(op, x, w)
+  if x.dtype in FP8_DTYPES:
+    if w.dtype != jnp.float8_e4m3fn:
+      raise TypeError(f"{op}: FP8 x ({x.dtype}) needs a float8_e4m3fn w; got {w.dtype}.")
+    k, n = w.shape
+    if k % 16 or n % 16:
+      raise ValueError(f"{op}: FP8 needs K={k} and N={n} to be multiples of 16 (16-byte rows).")
+    return k, n
   if x.dtype not in _common.FUSED_DTYPES or w.dtype != x.dtype:
     raise TypeError(f"{op}: x and w must share a dtype, bfloat16 or float16; got x.dtype="
                     f"{x.dtype}, w.dtype={w.dtype}.")
@@ -53,10 +70,13 @@ def _check_c(op: str, kernel: str, c, out_shape: tuple, dtype) -> None:
                      f"got {tuple(c.shape)} {c.dtype}.")
 
 
-def attributes(kernel: str, dtype, rows: int, k: int, n: int) -> dict:
+def attributes(kernel: str, dtype, rows: int, k: int, n: int,
+               out_itemsize: int | None = None) -> dict:
   """The jaxflux_gemm attributes of `kernel` for an [rows, k] @ [k, n] product (all rows of x),
-  tuned as the fused ops tune the same GEMM (transpose_w aside)."""
+  tuned as the fused ops tune the same GEMM (transpose_w aside). out_itemsize: bytes of an
+  output element (the partials the ops push), default the input's."""
   name = jnp.dtype(dtype).name
+  itemsize = jnp.dtype(dtype).itemsize if out_itemsize is None else out_itemsize
   attrs = {"kernel": KERNELS[kernel], "tile": 0, "own_rows_schedule": 0, "push_chunks": 0}
   if kernel == "all_gather_matmul":
     choice = tuning.choose_all_gather_matmul(dtype=name, tp=2, rows=rows, n=n,
@@ -64,11 +84,11 @@ def attributes(kernel: str, dtype, rows: int, k: int, n: int) -> dict:
     attrs.update(tile=tuning.AG_TILES.index(choice.tile), swizzle=choice.swizzle)
   elif kernel == "matmul_all_reduce":  # as the fused op at tp=2 tunes an unbatched x of `rows`
     choice = tuning.choose_matmul_all_reduce(dtype=name, tp=2, batch=1, m=rows, k=k, n=n,
-                                             itemsize=jnp.dtype(dtype).itemsize).choice
+                                             itemsize=itemsize).choice
     attrs.update(tile=tuning.AR_TILES.index(choice.tile), swizzle=choice.swizzle)
   else:
     choice = tuning.choose_own_rows_gemm(dtype=name, rows=rows, k=k, n=n,
-                                         itemsize=jnp.dtype(dtype).itemsize).choice
+                                         itemsize=itemsize).choice
     if kernel == "cutlass":
       attrs.update(swizzle=choice.peer_rows_swizzle)
     else:
@@ -78,30 +98,70 @@ def attributes(kernel: str, dtype, rows: int, k: int, n: int) -> dict:
   return attrs
 
 
-def gemm(x, w, *, kernel: str = "cutlass", c=None, transpose_w: bool = False):
-  """x [..., M, K] @ w [K, N] (+ c) -> [..., M, N] in x's dtype (bf16/fp16, fp32 accumulation).
+def _fp8_scales(op: str, x, x_scale, w_scale, n: int, transpose_w: bool, out_dtype,
+                kernel: str, accumulate):
+  """The FP8 call's checks; returns (scale operands, out dtype, fast_accum attribute)."""
+  if kernel == "matmul_all_reduce":
+    raise ValueError(f"{op}: GEMM+AllReduce has no FP8 kernel; use kernel='cutlass', "
+                     "'all_gather_matmul' or 'own_rows'.")
+  if not transpose_w:
+    raise ValueError(f"{op}: FP8 kernels read w K-major; pass its transpose [N, K] with "
+                     "transpose_w=True.")
+  for name, scale, shape in (("x_scale", x_scale, tuple(x.shape[:-1]) + (1,)),
+                             ("w_scale", w_scale, (1, n))):
+    if scale is None or tuple(scale.shape) != shape or scale.dtype != jnp.float32:
+      got = None if scale is None else f"{tuple(scale.shape)} {scale.dtype}"
+      raise ValueError(f"{op}: FP8 needs {name} float32 {shape}; got {got}.")
+  out_dtype = jnp.dtype(jnp.bfloat16 if out_dtype is None else out_dtype)
+  if out_dtype != jnp.bfloat16:
+    raise TypeError(f"{op}: FP8 kernels write bfloat16; got out_dtype={out_dtype}.")
+  built = FP8_ACCUMULATE[jnp.dtype(x.dtype).name]
+  accumulate = built if accumulate is None else accumulate
+  if accumulate not in ("fast", "promoted") or (kernel != "cutlass" and accumulate != built):
+    raise ValueError(f"{op}: accumulate={accumulate!r}: kernel='cutlass' takes 'fast' or "
+                     f"'promoted'; the fused kernels' {x.dtype} build is {built!r}.")
+  return (x_scale, w_scale), out_dtype, int(accumulate == "fast")
+
+
+def gemm(x, w, *, kernel: str = "cutlass", c=None, transpose_w: bool = False, x_scale=None,
+         w_scale=None, out_dtype=None, accumulate: str | None = None):
+  """x [..., M, K] @ w [K, N] (+ c) -> [..., M, N] in x's dtype (bf16/fp16, fp32 accumulation);
+  FP8: bfloat16 (x @ w) * x_scale * w_scale (module docstring).
 
   kernel: "cutlass", "all_gather_matmul", "own_rows" or "matmul_all_reduce" (module
     docstring).
-  c: with kernel="own_rows", the source added to the product ([..., M, N], x's dtype), as the
-    fused op adds the peer's partial; None for the other kernels.
-  transpose_w: w is given as [N, K] and read K-major, as the fused ops read it in a backward.
+  c: with kernel="own_rows", the source added to the product ([..., M, N], the output's
+    dtype), as the fused op adds the peer's partial; None for the other kernels.
+  transpose_w: w is given as [N, K] and read K-major, as the fused ops read it in a backward
+    (FP8: always).
+  x_scale, w_scale: FP8 only, float32 [..., M, 1] and [1, N].
+  out_dtype: FP8 only, bfloat16 (the default).
+  accumulate: FP8 only: None (as the fused kernels are built), "fast" or "promoted" (kernel
+    "cutlass" only).
   """
   op = "gemm"
   if kernel not in KERNELS:
     raise ValueError(f"{op}: kernel={kernel!r} is not one of {tuple(KERNELS)}.")
   k, n = _check_operands(op, x, _common.weight_for_checks(w, transpose_w))
+  fp8 = x.dtype in FP8_DTYPES
+  scales, fast_accum, out = (), 0, x.dtype
+  if fp8:
+    scales, out, fast_accum = _fp8_scales(op, x, x_scale, w_scale, n, transpose_w, out_dtype,
+                                          kernel, accumulate)
+  elif x_scale is not None or w_scale is not None or out_dtype is not None or accumulate:
+    raise ValueError(f"{op}: x_scale, w_scale, out_dtype and accumulate are for FP8 x only.")
   out_shape = tuple(x.shape[:-1]) + (n,)
-  _check_c(op, kernel, c, out_shape, x.dtype)
+  _check_c(op, kernel, c, out_shape, out)
   rows = math.prod(x.shape[:-1])
-  attrs = attributes(kernel, x.dtype, rows, k, n)
+  attrs = attributes(kernel, x.dtype, rows, k, n, out_itemsize=jnp.dtype(out).itemsize)
   reason = _platform.platform_reason()
   if reason is not None:
     raise _common.FusedKernelUnavailableError(f"{op}(kernel={kernel!r}): {reason}")
   _runtime.register_targets()
-  source = c if c is not None else jnp.zeros((8,), x.dtype)  # not read by kernels 0 and 1
-  call = jax.ffi.ffi_call("jaxflux_gemm", jax.ShapeDtypeStruct(out_shape, x.dtype))
-  return call(x, w, source, transpose_w=np.int64(transpose_w),
+  source = c if c is not None else jnp.zeros((8,), out)  # not read by kernels 0 and 1
+  call = jax.ffi.ffi_call("jaxflux_gemm", jax.ShapeDtypeStruct(out_shape, out))
+  return call(x, w, source, *scales, transpose_w=np.int64(transpose_w),
+              fast_accum=np.int64(fast_accum),
               **{name: np.int64(value) for name, value in attrs.items()})
 
 

@@ -13,6 +13,12 @@
 //                 Then, when x_full is requested, A (and x, for the own rows) -> x_full, and
 //                 a join with the side stream (the pushes read x, which XLA may reuse once
 //                 the call is over).
+// FP8 (x e4m3/e5m2, w e4m3 given [N, K], y bf16): x's row scales travel with x. Each parity
+// half holds, after A, the gathered scales S [batch][tp][m] (float32), filled like A: the own
+// rows' on the main stream before the GEMM, the peers' pushed from the side stream ahead of
+// the first chunk, so a chunk's flag also says its scales have landed. The GEMM's epilogue reads
+// a tile's row scales from S (a 128-row tile spans whole 128-byte lines of S: it never reads a
+// line holding rows it has not waited for).
 // Why two parities suffice without a "consumed" handshake: docs/runtime.md (the same argument
 // as the push all-gather; the GEMM of call e-1 waits for every chunk of e-1, and the side stream
 // of call e forks after it).
@@ -30,6 +36,7 @@
 #include "xla_ffi/ffi/errors.h"
 #include "xla_ffi/ffi/group.h"
 #include "xla_ffi/ffi/group_call.h"
+#include "xla_ffi/ffi/matmul_operands.h"
 #include "xla_ffi/ffi/scratch.h"
 #include "xla_ffi/ffi/tile_wait_setup.h"
 #include "xla_ffi/kernels/ag_gemm_sm90.h"
@@ -48,26 +55,25 @@ static_assert(kTileWaitMaxChunks == kMaxChunks, "the kernel's chunk_ends hold on
 
 ffi::Error Fail(const std::string& what) { return OpError(kOp, what); }
 
+ffi::Error Invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string("jaxflux all_gather_matmul: ") + what);
+}
+
 #define JAXFLUX_CUDA(call) JAXFLUX_RETURN_IF_CUDA_ERROR(kOp, call)
 
 struct Shapes {
-  size_t batch = 0, m = 0, k = 0, n = 0, elem = 0;
+  size_t batch = 0, m = 0, k = 0, n = 0, elem = 0, out_elem = 0;
   GemmDtype dtype = GemmDtype::kBF16;
   bool w_kmajor = false;  // w holds the weight transposed, [N, K] (transpose_w)
 };
 
 ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer y, int64_t tp,
                        int64_t transpose_w, Shapes* s) {
-  const auto dt = x.element_type();
-  if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) {
-    return ffi::Error::InvalidArgument("jaxflux all_gather_matmul: x must be bfloat16 or float16");
-  }
-  if (w.element_type() != dt || y.element_type() != dt) {
-    return ffi::Error::InvalidArgument("jaxflux all_gather_matmul: x, w and y need one dtype");
-  }
+  s->w_kmajor = transpose_w != 0;
+  const std::string types = OperandTypes(x, w, y, s->w_kmajor, &s->dtype, &s->elem, &s->out_elem);
+  if (!types.empty()) return Invalid(types);
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  s->w_kmajor = transpose_w != 0;
   const int k_dim = s->w_kmajor ? 1 : 0;
   if (xd.size() < 2 || wd.size() != 2 || xd.back() != wd[k_dim]) {
     return ffi::Error::InvalidArgument("jaxflux all_gather_matmul: expected x [..., m, K] and "
@@ -76,16 +82,15 @@ ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer y, int
   s->m = static_cast<size_t>(xd[xd.size() - 2]);
   s->k = static_cast<size_t>(wd[k_dim]);
   s->n = static_cast<size_t>(wd[1 - k_dim]);
-  s->elem = ffi::ByteWidth(dt);
-  s->dtype = dt == ffi::DataType::BF16 ? GemmDtype::kBF16 : GemmDtype::kF16;
   if (s->m == 0 || s->k == 0 || s->n == 0) {
     return ffi::Error::InvalidArgument("jaxflux all_gather_matmul: empty operands are not "
                                        "supported by the fused kernel");
   }
   s->batch = x.element_count() / (s->m * s->k);
-  if (s->k % 8 || s->n % 8) {
-    return ffi::Error::InvalidArgument("jaxflux all_gather_matmul: K and N must be multiples of "
-                                       "8 (16-byte rows for TMA)");
+  const size_t align = 16 / s->elem;  // 16-byte rows for TMA
+  if (s->k % align || s->n % align) {
+    return Invalid("K and N must be multiples of " + std::to_string(align) +
+                   " (16-byte rows for TMA)");
   }
   if (tp < 2 || tp > kAgGemmMaxRanks) {
     return InvalidAttr(kOp, "tp", tp, "must be in 2.." + std::to_string(kAgGemmMaxRanks));
@@ -130,7 +135,8 @@ size_t ChunkRows(const Shapes& s) {
 
 ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator scratch,
                   RankState* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                  ffi::Buffer<ffi::S32> rank_info, ffi::Result<ffi::AnyBuffer> y,
+                  ffi::Buffer<ffi::S32> rank_info, ffi::RemainingArgs scales,
+                  ffi::Result<ffi::AnyBuffer> y,
                   ffi::RemainingRets extra, int64_t tp, int64_t num_groups, int64_t site,
                   int64_t generation, int64_t debug_skip_rank, int64_t transpose_w, int64_t tile,
                   int64_t swizzle, int64_t local_read, int64_t grid_sms) {
@@ -146,11 +152,18 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     }
     x_full = (*ret)->untyped_data();
   }
+  const float* x_scale = nullptr;  // FP8: x's, one per row of the shard; w's, one per column
+  const float* w_scale = nullptr;
+  JAXFLUX_RETURN_IF_ERROR(
+      Fp8Scales(kOp, s.dtype, scales, s.batch * s.m, s.n, &x_scale, &w_scale));
   const size_t shard_bytes = x.size_bytes();
+  // A, then (FP8) the gathered row scales S, in each parity half.
+  const size_t a_bytes = (shard_bytes * static_cast<size_t>(tp) + 255) / 256 * 256;
+  const size_t scale_row_bytes = x_scale != nullptr ? s.m * sizeof(float) : 0;  // one entry's
   GroupCall call(kOp, stream, ordinal);
-  JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
-                                     {tp, num_groups, site, generation, debug_skip_rank},
-                                     shard_bytes * static_cast<size_t>(tp)));
+  JAXFLUX_RETURN_IF_ERROR(call.Begin(
+      state, rank_info, {tp, num_groups, site, generation, debug_skip_rank},
+      a_bytes + s.batch * static_cast<size_t>(tp) * scale_row_bytes));
   const GroupInfo& g = call.group();
   const int rank = g.rank;
   DeviceResources* res = call.self();
@@ -171,6 +184,14 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
                              static_cast<int>(s.batch * s.m * tp), static_cast<int>(s.n),
                              static_cast<int>(s.k), ordinal};
   problem.gemm.b_kmajor = s.w_kmajor;
+  problem.gemm.col_scale = w_scale;
+  // S [batch][tp][m]: row i of A's batch entry b has its scale at b*tp*m + i.
+  char* scales_of_rank = a + a_bytes;  // this device's S
+  if (x_scale != nullptr) {
+    problem.gemm.row_scale = reinterpret_cast<const float*>(scales_of_rank);
+    problem.gemm.batch_stride_row_scale = static_cast<int64_t>(tp) * static_cast<int64_t>(s.m);
+  }
+  const size_t scale_pitch = scale_row_bytes * static_cast<size_t>(tp);  // one entry of S
   problem.gemm.swizzle = static_cast<int>(swizzle);
   problem.gemm.grid_sms = static_cast<int>(grid_sms);
   problem.wait_for_flags = 1;
@@ -190,12 +211,23 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
                                    entry_bytes, cudaMemcpyDeviceToDevice, stream));
     }
   }
+  if (x_scale != nullptr) {  // the own rows' scales into S, on the main stream like the rows
+    JAXFLUX_CUDA(cudaMemcpy2DAsync(scales_of_rank + rank * scale_row_bytes, scale_pitch, x_scale,
+                                   scale_row_bytes, scale_row_bytes, s.batch,
+                                   cudaMemcpyDeviceToDevice, stream));
+  }
   // Own rows ready (either way): the GEMM's waits treat every source alike.
   if (!WriteFlag(stream, call.FlagFrom(rank), base + num_chunks, &failed)) return Fail(failed);
 
-  // Side stream: every chunk of x into this rank's rows of A on every peer (P2P copies run on
-  // the copy engines), each followed by its flag on that peer. Forked before the local copy,
-  // which it does not need.
+  // Side stream: (FP8) the row scales into this rank's rows of S on every peer, then every chunk
+  // of x into this rank's rows of A on every peer (P2P copies run on the copy engines), each
+  // followed by its flag on that peer. Forked before the local copy, which it does not need.
+  for (int i = 1; i < tp && x_scale != nullptr; ++i) {
+    const int p = (rank + i) % tp;
+    JAXFLUX_CUDA(cudaMemcpy2DAsync(call.ArenaOf(p) + a_bytes + rank * scale_row_bytes, scale_pitch,
+                                   x_scale, scale_row_bytes, scale_row_bytes, s.batch,
+                                   cudaMemcpyDefault, res->side));
+  }
   for (size_t c = 0; c < num_chunks; ++c) {
     const size_t row0 = c * chunk_rows;
     const size_t rows = std::min(chunk_rows, s.m - row0);
@@ -274,6 +306,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::AnyBuffer>()                     // x: local shard [..., m, K]
         .Arg<xla::ffi::AnyBuffer>()                     // w: [K, N] or [N, K]
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank_info
+        .RemainingArgs()                                // FP8: x's row and w's column scales
         .Ret<xla::ffi::AnyBuffer>()                     // y: [..., tp*m, N]
         .RemainingRets()                                // optional x_full
         .Attr<int64_t>("tp")

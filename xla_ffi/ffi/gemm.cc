@@ -6,7 +6,9 @@
 //   kernel 1: the AllGather+GEMM kernel with its waits off (one shard, no rotation);
 //   kernel 2: GEMM+ReduceScatter's own-rows kernel with its waits off, D = A·B + C.
 // The kernel's choices (tile, schedule, swizzle, grid) come as attributes, chosen by
-// jaxflux/tuning as for the fused ops.
+// jaxflux/tuning as for the fused ops. FP8 (a e4m3/e5m2, b e4m3 given [N, K], d bf16) takes two
+// more operands, a's row scales and b's column scales, applied in the epilogue; kernel 0 then
+// accumulates as `fast_accum` says, the fused kernels as they are built (kFp8FastAccum).
 #include "xla_ffi/ffi/gemm.h"
 
 #include <cuda_runtime_api.h>
@@ -17,6 +19,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/ffi/errors.h"
+#include "xla_ffi/ffi/matmul_operands.h"
 #include "xla_ffi/ffi/push_plan.h"
 #include "xla_ffi/ffi/scratch.h"
 #include "xla_ffi/ffi/tile_wait_setup.h"
@@ -34,19 +37,16 @@ constexpr char kOp[] = "gemm";
 enum Kernel : int64_t { kCutlass = 0, kAllGatherMatmul = 1, kOwnRows = 2 };
 
 // The GEMM's operands: a [..., M, K] and b [K, N] (or [N, K] with b_kmajor; leading axes of a
-// fold into M), d [..., M, N], one dtype, bf16 or fp16. Sets m, n, k; *done when there is
-// nothing to compute (an empty output, or K = 0, where d is zeroed on `stream`).
+// fold into M), d [..., M, N], one 16-bit dtype, or FP8 (OperandTypes). Sets the kind, m, n, k;
+// *done when there is nothing to compute (an empty output, or K = 0, where d is zeroed on
+// `stream`).
 ffi::Error CheckOperands(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                         ffi::Result<ffi::AnyBuffer>& d, bool b_kmajor, int64_t* m, int64_t* n,
-                         int64_t* k, bool* done) {
+                         ffi::Result<ffi::AnyBuffer>& d, bool b_kmajor, GemmDtype* dtype,
+                         int64_t* m, int64_t* n, int64_t* k, bool* done) {
   *done = false;
-  const auto dtype = a.element_type();
-  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
-    return ffi::Error::InvalidArgument("jaxflux gemm: inputs must be bfloat16 or float16");
-  }
-  if (b.element_type() != dtype || d->element_type() != dtype) {
-    return ffi::Error::InvalidArgument("jaxflux gemm: a, b and the output need one dtype");
-  }
+  size_t elem = 0, out_elem = 0;
+  const std::string types = OperandTypes(a, b, *d, b_kmajor, dtype, &elem, &out_elem);
+  if (!types.empty()) return ffi::Error::InvalidArgument("jaxflux gemm: " + types);
   const auto a_dims = a.dimensions();
   const auto b_dims = b.dimensions();
   const int k_axis = b_kmajor ? 1 : 0;
@@ -62,10 +62,11 @@ ffi::Error CheckOperands(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b
   if (*m > kIntMax || *n > kIntMax || *k > kIntMax) {
     return ffi::Error::InvalidArgument("jaxflux gemm: a dimension exceeds 2^31-1");
   }
-  if (*k % 8 || *n % 8) {
-    return ffi::Error::InvalidArgument("jaxflux gemm: K and N must be multiples of 8 (16-byte "
-                                       "rows for TMA); got K=" + std::to_string(*k) +
-                                       ", N=" + std::to_string(*n));
+  const int64_t align = 16 / static_cast<int64_t>(elem);  // 16-byte rows for TMA
+  if (*k % align || *n % align) {
+    return ffi::Error::InvalidArgument("jaxflux gemm: K and N must be multiples of " +
+                                       std::to_string(align) + " (16-byte rows for TMA); got K=" +
+                                       std::to_string(*k) + ", N=" + std::to_string(*n));
   }
   if (*m == 0 || *n == 0) {
     *done = true;
@@ -93,7 +94,8 @@ ffi::Error CheckLaunch(const char* failure) {
 
 ffi::Error CheckChoices(int64_t kernel, int64_t transpose_w, int64_t tile,
                         int64_t own_rows_schedule, int64_t push_chunks, int64_t swizzle,
-                        int64_t grid_sms) {
+                        int64_t grid_sms, int64_t fast_accum) {
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "fast_accum", fast_accum, {0, 1}));
   JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "kernel", kernel, {kCutlass, kAllGatherMatmul,
                                                               kOwnRows}));
   JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "transpose_w", transpose_w, {0, 1}));
@@ -106,29 +108,37 @@ ffi::Error CheckChoices(int64_t kernel, int64_t transpose_w, int64_t tile,
 
 ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
                        ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer c,
-                       ffi::Result<ffi::AnyBuffer> d, int64_t kernel, int64_t transpose_w,
-                       int64_t tile, int64_t own_rows_schedule, int64_t push_chunks,
-                       int64_t swizzle, int64_t grid_sms) {
+                       ffi::RemainingArgs scales, ffi::Result<ffi::AnyBuffer> d, int64_t kernel,
+                       int64_t transpose_w, int64_t tile, int64_t own_rows_schedule,
+                       int64_t push_chunks, int64_t swizzle, int64_t grid_sms,
+                       int64_t fast_accum) {
   JAXFLUX_RETURN_IF_ERROR(CheckChoices(kernel, transpose_w, tile, own_rows_schedule, push_chunks,
-                                       swizzle, grid_sms));
+                                       swizzle, grid_sms, fast_accum));
   int64_t m = 0, n = 0, k = 0;
+  GemmDtype dtype = GemmDtype::kBF16;
   bool done = false;
-  if (ffi::Error e = CheckOperands(stream, a, b, d, transpose_w == 1, &m, &n, &k, &done);
+  if (ffi::Error e = CheckOperands(stream, a, b, d, transpose_w == 1, &dtype, &m, &n, &k, &done);
       e.failure() || done) {
     return e;
   }
+  const float* row_scale = nullptr;
+  const float* col_scale = nullptr;
+  JAXFLUX_RETURN_IF_ERROR(Fp8Scales(kOp, dtype, scales, static_cast<size_t>(m),
+                                    static_cast<size_t>(n), &row_scale, &col_scale));
   if (kernel == kOwnRows &&
       (c.element_type() != d->element_type() || c.element_count() != d->element_count())) {
     return ffi::Error::InvalidArgument("jaxflux gemm: kernel 2 needs c laid out like the output "
                                        "[..., M, N], in its dtype");
   }
-  const GemmDtype dtype =
-      a.element_type() == ffi::DataType::BF16 ? GemmDtype::kBF16 : GemmDtype::kF16;
   GemmProblem problem{a.untyped_data(), b.untyped_data(), d->untyped_data(),
                       static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), device};
   problem.b_kmajor = transpose_w == 1;
   problem.swizzle = static_cast<int>(swizzle);
   problem.grid_sms = static_cast<int>(grid_sms);
+  problem.row_scale = row_scale;
+  problem.batch_stride_row_scale = m;
+  problem.col_scale = col_scale;
+  problem.fast_accum = fast_accum == 1;
   void* workspace = nullptr;
   const char* failure = nullptr;
   if (kernel == kCutlass) {
@@ -179,6 +189,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::AnyBuffer>()                     // a: [..., M, K]
         .Arg<xla::ffi::AnyBuffer>()                     // b: [K, N] ([N, K]: transpose_w)
         .Arg<xla::ffi::AnyBuffer>()                     // c: [..., M, N] (kernel 2), else unused
+        .RemainingArgs()                                // FP8: a's row and b's column scales
         .Ret<xla::ffi::AnyBuffer>()                     // d: [..., M, N]
         .Attr<int64_t>("kernel")                        // 0 CUTLASS, 1 AG+GEMM, 2 own rows
         .Attr<int64_t>("transpose_w")                   // 1: b is [N, K], read K-major
@@ -186,4 +197,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("own_rows_schedule")             // kernel 2: 0 cooperative, 1 ping-pong
         .Attr<int64_t>("push_chunks")                   // kernel 2: 1 tiles along N, as chunked
         .Attr<int64_t>("swizzle")                       // 1, 2, 4 or 8
-        .Attr<int64_t>("grid_sms"));                    // 0: all SMs
+        .Attr<int64_t>("grid_sms")                      // 0: all SMs
+        .Attr<int64_t>("fast_accum"));                  // FP8, kernel 0: 1 fast accumulation

@@ -56,6 +56,9 @@ ffi::Error Fail(const std::string& what) { return OpError(kOp, what); }
 ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer out, int64_t tp,
                        int64_t transpose_w, MatmulOperands* s) {
   JAXFLUX_RETURN_IF_ERROR(ReadMatmulOperands(kOp, x, w, out, transpose_w, s));
+  if (IsFp8(s->dtype)) {
+    return ffi::Error::InvalidArgument("jaxflux matmul_all_reduce: FP8 operands are not supported");
+  }
   if (tp < 2 || tp > kReduceMaxRanks) {
     return InvalidAttr(kOp, "tp", tp, "must be in 2.." + std::to_string(kReduceMaxRanks));
   }

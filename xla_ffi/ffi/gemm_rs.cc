@@ -12,6 +12,8 @@
 //     kernel that waits (bounded) for every peer's flag and sums recv[0..tp) in rank order with
 //     fp32 accumulation into z; then a join with the side stream (stage[] must not be rewritten
 //     before its copy is done).
+//   FP8 (x e4m3/e5m2, w e4m3 given [N, K], z bf16): the GEMMs apply x's row scales and w's
+//     column scales in their epilogues, and the partials pushed and reduced are bf16.
 //   At tp=2 the own-rows GEMM can do the reduction instead (reduce=1, rs_gemm_sm90.h): z = x_r · w
 //     + recv[p] in its epilogue, whose C loads wait (bounded) for the peer's flag while the
 //     mainloop runs; no reduction pass, and the own partial is never rounded to 16 bits on its
@@ -119,7 +121,8 @@ ffi::Error CheckChoices(const Shapes& s, int64_t tp, int64_t reduce,
 
 ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator scratch,
                   RankState* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                  ffi::Buffer<ffi::S32> rank_info, ffi::Result<ffi::AnyBuffer> z, int64_t tp,
+                  ffi::Buffer<ffi::S32> rank_info, ffi::RemainingArgs scales,
+                  ffi::Result<ffi::AnyBuffer> z, int64_t tp,
                   int64_t num_groups, int64_t site, int64_t generation, int64_t debug_skip_rank,
                   int64_t transpose_w, int64_t reduce, int64_t push_chunks,
                   int64_t own_rows_schedule, int64_t own_rows_swizzle, int64_t peer_rows_swizzle,
@@ -130,7 +133,12 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   JAXFLUX_RETURN_IF_ERROR(CheckChoices(s, tp, reduce, push_chunks,
                                        own_rows_schedule, own_rows_swizzle, peer_rows_swizzle,
                                        grid_sms, &choice));
-  const size_t partial_bytes = s.batch * s.m * s.n * s.elem;  // one owner's rows of x · w
+  const float* row_scale = nullptr;  // FP8: x's, one per row; w's, one per column
+  const float* col_scale = nullptr;
+  JAXFLUX_RETURN_IF_ERROR(
+      Fp8Scales(kOp, s.dtype, scales, s.batch * s.rows, s.n, &row_scale, &col_scale));
+  // One owner's rows of x · w, in the output's dtype.
+  const size_t partial_bytes = s.batch * s.m * s.n * s.out_elem;
   const size_t slot_bytes = (partial_bytes + 255) / 256 * 256;
   GroupCall call(kOp, stream, ordinal);
   JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
@@ -165,6 +173,12 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   problem.batch_stride_d = static_cast<int64_t>(s.m * s.n);
   problem.swizzle = choice.peer_rows_swizzle;
   problem.grid_sms = choice.grid_sms;
+  problem.batch_stride_row_scale = static_cast<int64_t>(s.rows);
+  problem.col_scale = col_scale;
+  problem.fast_accum = kFp8FastAccum;  // as the own-rows kernel accumulates
+  auto row_scale_of = [&](int owner) {  // owner's rows of the first batch entry
+    return row_scale == nullptr ? nullptr : row_scale + static_cast<size_t>(owner) * s.m;
+  };
   const bool epilogue_reduce = choice.epilogue_reduce;
   PushChunks chunks;  // one chunk: the whole partial
   chunks.ends[0] = s.m;
@@ -174,6 +188,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   if (epilogue_reduce) {
     own.gemm = problem;
     own.gemm.a = x_base_of(rank);
+    own.gemm.row_scale = row_scale_of(rank);
     own.gemm.d = z->untyped_data();
     own.gemm.swizzle = choice.own_rows_swizzle;
     own.c = recv(rank, peer);
@@ -204,6 +219,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
       break;
     }
     problem.a = x_base_of(p);
+    problem.row_scale = row_scale_of(p);
     problem.d = p == rank ? recv(rank, rank) : stage_base + static_cast<size_t>(p) * slot_bytes;
     if (const char* failure = GemmSm90(s.dtype, problem, gemm_workspace, stream)) {
       return Fail(failure);
@@ -213,7 +229,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     // The peer's partial, pushed from the side stream chunk by chunk (one chunk: all of it,
     // every batch entry), each chunk flagged on the peer as it lands.
     JAXFLUX_RETURN_IF_ERROR(call.ForkSide());
-    const size_t out_row = s.n * s.elem;
+    const size_t out_row = s.n * s.out_elem;
     const char* stage = static_cast<const char*>(problem.d);
     for (int c = 0; c < chunks.count; ++c) {
       const size_t row0 = c == 0 ? 0 : chunks.ends[c - 1];
@@ -267,6 +283,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::AnyBuffer>()                     // x: [..., M, K]
         .Arg<xla::ffi::AnyBuffer>()                     // w: [K, N] or [N, K]
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank_info
+        .RemainingArgs()                                // FP8: x's row and w's column scales
         .Ret<xla::ffi::AnyBuffer>()                     // z: [..., M/tp, N]
         .Attr<int64_t>("tp")
         .Attr<int64_t>("num_groups")

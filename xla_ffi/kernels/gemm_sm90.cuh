@@ -21,11 +21,13 @@
 
 namespace jaxflux::gemm_sm90 {
 
-// One CUTLASS kernel shape: CTA tile (K step 64), cluster, and the warp-specialized schedule
-// (cooperative: two consumer warp groups share a tile; ping-pong: they alternate tiles).
-template <int kTileM, int kTileN, int kClusterM, int kClusterN, bool kPingpong>
+// One CUTLASS kernel shape: CTA tile (K step 64: 128-byte rows of 16-bit elements), cluster,
+// and the warp-specialized schedule (cooperative: two consumer warp groups share a tile;
+// ping-pong: they alternate tiles). The FP8 kernels step K by 128, the same 128-byte rows.
+template <int kTileM, int kTileN, int kClusterM, int kClusterN, bool kPingpong, int kTileK = 64>
 struct TileConfig {
-  using Tile = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::_64>;
+  static constexpr bool kIsPingpong = kPingpong;
+  using Tile = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
   using Cluster = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
   using MainloopSchedule =
       std::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
@@ -55,7 +57,11 @@ template <class Element_, class SchedulerTag = void, class Tiles = DefaultTiles,
           class ElementC = void, class LayoutB = NMajorB,
           template <class, int> class EpilogueWrap = PlainEpilogue>
 struct Config {
+  static constexpr bool kFp8 = false;
   using Element = Element_;
+  using ElementA = Element;
+  using ElementB = Element;
+  using ElementD = Element;
   using Layout = cutlass::layout::RowMajor;  // A [M,K], C and D [M,N]
   static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte accesses
   using Tile = typename Tiles::Tile;
@@ -84,7 +90,6 @@ struct Config {
 template <class C>
 typename C::Gemm::Arguments MakeArguments(const GemmProblem& p) {
   using Gemm = typename C::Gemm;
-  using Element = typename C::Element;
   auto stride_a = cutlass::make_cute_packed_stride(typename Gemm::GemmKernel::StrideA{},
                                                    cute::make_shape(p.m, p.k, p.batch));
   auto stride_b = cutlass::make_cute_packed_stride(typename Gemm::GemmKernel::StrideB{},
@@ -102,14 +107,19 @@ typename C::Gemm::Arguments MakeArguments(const GemmProblem& p) {
   typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {p.m, p.n, p.k, p.batch},
-      {static_cast<const Element*>(p.a), stride_a, static_cast<const Element*>(p.b), stride_b},
+      {static_cast<const typename C::ElementA*>(p.a), stride_a,
+       static_cast<const typename C::ElementB*>(p.b), stride_b},
       {},  // the epilogue's, set below by name (Config's EpilogueWrap may extend them)
       hw};
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
+  if constexpr (C::kFp8) {
+    args.epilogue.thread = C::ScaleArguments(p);
+  } else {
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = 0.0f;
+  }
   args.epilogue.ptr_C = nullptr;
   args.epilogue.dC = stride_d;
-  args.epilogue.ptr_D = static_cast<Element*>(p.d);
+  args.epilogue.ptr_D = static_cast<typename C::ElementD*>(p.d);
   args.epilogue.dD = stride_d;
   args.scheduler.max_swizzle_size = p.swizzle;
   return args;

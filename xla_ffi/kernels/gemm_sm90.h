@@ -1,5 +1,7 @@
 // The sm90 GEMM: D[M,N] = A[M,K] · B[K,N], row-major, bf16 or fp16 in and out, fp32
-// accumulation, on Hopper (sm_90a); B may also be given transposed (b_kmajor). CUTLASS's
+// accumulation, on Hopper (sm_90a); B may also be given transposed (b_kmajor). FP8: A e4m3 or
+// e5m2, B e4m3 given transposed (wgmma reads 8-bit operands K-major only), D bf16 =
+// (A·B) * row_scale[m] * col_scale[n], the scales applied in the epilogue. CUTLASS's
 // persistent GEMM runs GEMM+ReduceScatter's peer rows and the GEMM-only kernel 0; GemmProblem
 // also describes the fused kernels' GEMMs (ag_gemm_sm90.h, rs_gemm_sm90.h). Plain C++
 // interface: the FFI handlers and nanobind never see CUTLASS.
@@ -12,7 +14,17 @@
 
 namespace jaxflux {
 
-enum class GemmDtype { kBF16, kF16 };
+// 16-bit kinds: A, B and D of that type. FP8 kinds: A of that type, B e4m3 (K-major), D bf16.
+enum class GemmDtype { kBF16, kF16, kE4M3, kE5M2 };
+
+constexpr bool IsFp8(GemmDtype dtype) {
+  return dtype == GemmDtype::kE4M3 || dtype == GemmDtype::kE5M2;
+}
+
+// The fused FP8 kernels accumulate in wgmma's own accumulator ("fast accumulation"): its error
+// stayed within 3x the bf16 output's rounding on every benchmark shape, while promoting to fp32
+// registers every 4 k-blocks took 3.4x the time with 128x256 tiles (docs/design.md, "FP8").
+inline constexpr bool kFp8FastAccum = true;
 
 struct GemmProblem {
   const void* a;  // [m, k] row-major (rows contiguous, leading dimension k)
@@ -36,6 +48,13 @@ struct GemmProblem {
   // K across SMs when there are fewer output tiles than SMs (few rows: decode), so every SM reads
   // its share of B. Only GemmSm90 takes it (GEMM+AllReduce and the GEMM-only kernel 0).
   bool streamk = false;
+  // FP8 kinds only: D = (A·B) * row_scale[m] * col_scale[n] in fp32, then rounded to bf16.
+  const float* row_scale = nullptr;  // [batch][m], entries batch_stride_row_scale apart
+  int64_t batch_stride_row_scale = 0;
+  const float* col_scale = nullptr;  // [n]
+  // FP8 kinds only, GemmSm90 only (the fused kernels use kFp8FastAccum): accumulate in wgmma's
+  // accumulator instead of promoting to fp32 registers every 4 k-blocks.
+  bool fast_accum = kFp8FastAccum;
 };
 
 // Bytes of scratch the kernel needs for this problem (stream-K: its partial-tile workspace).

@@ -25,6 +25,14 @@ AG_GEMM_TILES = {
 }
 # B layouts: the weight as [K, N] (N-major) or given transposed, [N, K] (K-major).
 B_LAYOUTS = {"nmajor": "NMajorB", "kmajor": "KMajorB"}
+# FP8 A types (B is e4m3, given K-major; D bf16): the forward's e4m3 inputs and the backward's
+# e5m2 gradients.
+FP8_DTYPES = {"e4m3": "cutlass::float_e4m3_t", "e5m2": "cutlass::float_e5m2_t"}
+# The FP8 AllGather+GEMM tile configs, in AgGemmConfig order.
+AG_GEMM_FP8_TILES = {
+    "cooperative_128x256_cluster2x1": "Fp8Cooperative128x256Cluster2x1",
+    "pingpong_128x128_cluster1x2": "Fp8Pingpong128x128Cluster1x2",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +57,25 @@ def instances() -> list[Instance]:
             "(ag_gemm_sm90.cuh).\n"
             '#include "xla_ffi/kernels/ag_gemm_sm90.cuh"\n\n'
             f"JAXFLUX_AG_GEMM_INSTANCE({name}, {element}, {tiles}, {layout})\n")))
+  for dtype, element in FP8_DTYPES.items():
+    for tiles_name, tiles in AG_GEMM_FP8_TILES.items():
+      name = f"{dtype}_{tiles_name}_kmajor"
+      out.append(Instance("ag_gemm_sm90", name, (
+          f"{HEADER}// The fused AllGather+GEMM kernel, FP8 ({dtype} x e4m3), {tiles_name}, "
+          "kmajor B\n// (ag_gemm_sm90.cuh).\n"
+          '#include "xla_ffi/kernels/ag_gemm_sm90.cuh"\n\n'
+          f"JAXFLUX_AG_GEMM_FP8_INSTANCE({name}, {element}, {tiles})\n")))
+  for dtype, element in FP8_DTYPES.items():
+    out.append(Instance("rs_gemm_sm90", dtype, (
+        f"{HEADER}// The own-rows GEMM of the fused GEMM+ReduceScatter, FP8 ({dtype} x e4m3), "
+        "both schedules\n// (rs_gemm_sm90.cuh).\n"
+        '#include "xla_ffi/kernels/rs_gemm_sm90.cuh"\n\n'
+        f"JAXFLUX_RS_GEMM_FP8_INSTANCE({dtype}, {element})\n")))
+    out.append(Instance("gemm_sm90", dtype, (
+        f"{HEADER}// CUTLASS's persistent sm90 GEMM, FP8 ({dtype} x e4m3), both accumulations\n"
+        "// (gemm_fp8_sm90.cuh).\n"
+        '#include "xla_ffi/kernels/gemm_fp8_sm90.cuh"\n\n'
+        f"JAXFLUX_GEMM_FP8_INSTANCE({dtype}, {element})\n")))
   for dtype, element in DTYPES.items():
     out.append(Instance("rs_gemm_sm90", dtype, (
         f"{HEADER}// The own-rows GEMM of the fused GEMM+ReduceScatter, {dtype}, both schedules "
