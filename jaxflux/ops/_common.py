@@ -13,6 +13,20 @@ from jax import lax
 
 IMPLS = ("auto", "fused", "xla")
 FUSED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# The FP8 formats the ops take (with scales): e4m3 for activations and weights, e5m2 for
+# gradients, as in Flax's FP8 recipe. Other 1-byte floats are refused by name.
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+FP8_OUT_DTYPE = jnp.dtype(jnp.bfloat16)  # an FP8 call's default output dtype
+
+
+def is_fp8(dtype) -> bool:
+  return jnp.dtype(dtype) in FP8_DTYPES
+
+
+def is_narrow_float(dtype) -> bool:
+  """A floating dtype of one byte or less per element (any float8/float4 format)."""
+  dtype = jnp.dtype(dtype)
+  return jnp.issubdtype(dtype, jnp.inexact) and dtype.itemsize == 1
 
 
 class FusedKernelUnavailableError(RuntimeError):
@@ -25,22 +39,36 @@ def check_impl(op: str, impl: str) -> None:
                      "'fused' to require the fused GPU kernel, or 'xla' for the pure-JAX reference.")
 
 
-def check_operands(op: str, x, w) -> None:
-  """Rank, contraction size and dtype kind of x [..., rows, K] and w [K, N]."""
+def check_operands(op: str, x, w, *, transpose_w: bool = False) -> None:
+  """Rank, contraction size and dtype kind of x [..., rows, K] and w [K, N] (w [N, K] with
+  transpose_w)."""
   if jnp.ndim(x) < 2:
     raise ValueError(f"{op}: x must have rank >= 2 ([..., tokens, K]); got shape {jnp.shape(x)}. "
                      "Add a token axis, e.g. x[None, :].")
+  layout = "[N, K]" if transpose_w else "[K, N]"
   if jnp.ndim(w) != 2:
-    raise ValueError(f"{op}: w must have rank 2 ([K, N]); got shape {jnp.shape(w)}. Reshape the "
-                     "weight to [in_features, out_features].")
-  if x.shape[-1] != w.shape[0]:
+    raise ValueError(f"{op}: w must have rank 2 ({layout}); got shape {jnp.shape(w)}. Reshape the "
+                     "weight to " + ("[out_features, in_features] (transpose_w=True)."
+                                     if transpose_w else "[in_features, out_features]."))
+  w_k = w.shape[1] if transpose_w else w.shape[0]
+  if x.shape[-1] != w_k:
+    seen = f"w.shape={w.shape}, transpose_w=True" if transpose_w else f"w.shape={w.shape}"
+    fix = ("With transpose_w=True w is [N, K]; pass transpose_w=False if it is stored [K, N]."
+           if transpose_w else "Pass w as [K, N] (transpose it if it is stored [N, K]).")
     raise ValueError(f"{op}: contraction sizes differ: x has K={x.shape[-1]} (x.shape={x.shape}) "
-                     f"but w has K={w.shape[0]} (w.shape={w.shape}). Pass w as [K, N] (transpose "
-                     "it if it is stored [N, K]).")
+                     f"but w has K={w_k} ({seen}). {fix}")
   for name, a in (("x", x), ("w", w)):
     if not jnp.issubdtype(a.dtype, jnp.inexact):
       raise TypeError(f"{op}: {name} must be a floating-point array; got dtype {a.dtype}. "
                       f"Cast it, e.g. {name}.astype(jnp.bfloat16).")
+
+
+def check_static_bool(op: str, name: str, value) -> bool:
+  """A static flag (it picks the traced program): a Python bool, not an array."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{op}: {name} must be a Python bool (a static choice of layout or outputs); "
+                    f"got {value!r} of type {type(value).__name__}. Pass True or False.")
+  return bool(value)
 
 
 def axis_size(op: str, axis_name) -> int:

@@ -1,7 +1,8 @@
 """Which implementation a call runs: impl="auto" | "fused" | "xla" -> "fused" or "xla",
 resolved once per call at trace time. "fused" raises where no fused kernel can run (never a
 silent fallback); "auto" takes the fused kernel only where it can run and an AUTO_RULES rule of
-the tuning table says it was measured ahead of XLA."""
+the tuning table says it was measured ahead of XLA. FP8 calls have no auto rule (no two-GPU
+timing of the FP8 kernels exists): "auto" takes XLA, "fused" the FP8 kernel or an error."""
 from __future__ import annotations
 
 from jax import lax
@@ -17,6 +18,8 @@ def resolve(op: str, impl: str, x, w, preferred_element_type, axis_name: str,
   _common.check_impl(op, impl)
   if impl == "xla":
     return "xla"
+  if _common.is_fp8(x.dtype) or _common.is_fp8(w.dtype):
+    return _resolve_fp8(op, impl, x, w, preferred_element_type, axis_name, transpose_w)
   tp = lax.axis_size(axis_name)
   w = _common.weight_for_checks(w, transpose_w)
   dtype_error = _platform.fused_dtype_error(op, x, w)
@@ -42,3 +45,22 @@ def _auto_prefers_fused(op: str, x, tp: int) -> bool:
   if op == "all_gather_matmul":
     rows *= tp  # the gathered rows the GEMM computes
   return tuning.auto_prefers_fused(op, tp, rows, k)
+
+
+def _resolve_fp8(op: str, impl: str, x, w, preferred_element_type, axis_name: str,
+                 transpose_w: bool) -> str:
+  """FP8 operands (checked and paired by the op): "auto" -> XLA; "fused" -> the FP8 kernel where
+  every condition holds, else FusedKernelUnavailableError naming the first that fails."""
+  if impl == "auto":
+    return "xla"
+  out_dtype = (_common.FP8_OUT_DTYPE if preferred_element_type is None
+               else preferred_element_type)
+  reason = (_platform.fused_fp8_dtype_reason(x, w)
+            or _platform.platform_reason(axis_name)
+            or _platform.fused_fp8_operand_reason(x, w, out_dtype, lax.axis_size(axis_name),
+                                                  transpose_w))
+  if reason is not None:
+    raise _common.FusedKernelUnavailableError(
+        f"{op}(impl='fused') with FP8 operands: {reason} impl='xla' (or 'auto', which takes XLA "
+        "for FP8) runs the float32 reference.")
+  return "fused"

@@ -2,6 +2,8 @@
 operands. Each reason is a sentence for an error message, or None."""
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from jaxflux import _runtime
 from jaxflux.ops import _common, _mesh
 
@@ -117,17 +119,68 @@ MAX_FUSED_TP = 8  # one NVLink domain: the ranks' workspaces are peer-mapped in 
 def fused_operand_reason(x, w, preferred_element_type, tp: int) -> str | None:
   """Why neither fused kernel takes these per-device operands at this group size, or None (both
   kernels share the CUTLASS GEMM: 16-byte rows for TMA, output in the input dtype)."""
-  if tp > MAX_FUSED_TP:
-    return (f"the tensor-parallel axis has size {tp}; the fused kernels support groups of up to "
-            f"{MAX_FUSED_TP} GPUs (one NVLink domain).")
+  if (reason := _group_reason(tp)) is not None:
+    return reason
   k, n = w.shape
   if k % 8 or n % 8:
     return (f"this device's w shard is [K, N] = [{k}, {n}]; the kernel needs K and N multiples "
             "of 8 (16-byte rows for its TMA loads). Pad the weight.")
-  if x.size == 0 or w.size == 0:
-    return f"empty operands (x.shape={x.shape}, w.shape={w.shape}) have nothing to fuse."
+  if (reason := _empty_reason(x, w)) is not None:
+    return reason
   out = _common.result_dtype(x, w, preferred_element_type)
   if out != x.dtype:
     return (f"the kernel writes its output in the input dtype ({x.dtype}); "
             f"preferred_element_type={out} is not supported by it yet.")
+  return None
+
+
+# The (x, w) dtype pairs the fused FP8 kernels take: e4m3 activations times e4m3 weights (the
+# forward), e5m2 gradients times e4m3 weights (the backward's dX).
+FUSED_FP8_PAIRS = ((_common.FP8_DTYPES[0], _common.FP8_DTYPES[0]),
+                   (_common.FP8_DTYPES[1], _common.FP8_DTYPES[0]))
+
+
+def fused_fp8_dtype_reason(x, w) -> str | None:
+  """Why no fused FP8 kernel takes this (x.dtype, w.dtype) pair, or None."""
+  if (jnp.dtype(x.dtype), jnp.dtype(w.dtype)) in FUSED_FP8_PAIRS:
+    return None
+  pairs = " and ".join(f"(x {a.name}, w {b.name})" for a, b in FUSED_FP8_PAIRS)
+  return (f"the fused FP8 kernels take {pairs}; got x.dtype={x.dtype}, w.dtype={w.dtype}. "
+          "Quantize the weight to float8_e4m3fn, or use impl='xla'.")
+
+
+def fused_fp8_operand_reason(x, w, out_dtype, tp: int, transpose_w: bool) -> str | None:
+  """Why no fused FP8 kernel takes these per-device operands at this group size, or None. `w`
+  is the weight as given ([N, K] with transpose_w)."""
+  if not transpose_w:
+    return ("the FP8 kernels read the weight K-major: pass the weight's transpose, w as [N, K] "
+            f"(here [{w.shape[1]}, {w.shape[0]}]), with transpose_w=True, and let the quantizing "
+            "pass write it in that layout (transposing an FP8 weight per call costs a pass over "
+            "it).")
+  if (reason := _group_reason(tp)) is not None:
+    return reason
+  n, k = w.shape
+  if k % 16 or n % 16:
+    return (f"this device's w shard is [N, K] = [{n}, {k}]; the FP8 kernels need K and N "
+            "multiples of 16 (16-byte rows of 1-byte elements for their TMA loads). Pad the "
+            "weight.")
+  if (reason := _empty_reason(x, w)) is not None:
+    return reason
+  if jnp.dtype(out_dtype) != _common.FP8_OUT_DTYPE:
+    return (f"the FP8 kernels write bfloat16; preferred_element_type={jnp.dtype(out_dtype)} is "
+            "not supported by them. Pass preferred_element_type=jnp.bfloat16 (the FP8 default), "
+            "or use impl='xla'.")
+  return None
+
+
+def _group_reason(tp: int) -> str | None:
+  if tp > MAX_FUSED_TP:
+    return (f"the tensor-parallel axis has size {tp}; the fused kernels support groups of up to "
+            f"{MAX_FUSED_TP} GPUs (one NVLink domain).")
+  return None
+
+
+def _empty_reason(x, w) -> str | None:
+  if x.size == 0 or w.size == 0:
+    return f"empty operands (x.shape={x.shape}, w.shape={w.shape}) have nothing to fuse."
   return None

@@ -2,7 +2,7 @@
 
 Per-device view inside `jax.shard_map`:
   x      [..., m, K]      this device's token shard
-  w      [K, n]           this device's column shard of the weight
+  w      [K, n]           this device's column shard of the weight ([n, K] with transpose_w)
   y      [..., tp*m, n]   all tokens, this device's output columns
   x_full [..., tp*m, K]   the gathered input (returned with return_gathered=True; the backward
                           pass reuses it for dW)
@@ -12,14 +12,17 @@ Backward (the pair closes under differentiation, so fused kernels serve both pas
   dw = x_fullᵀ · dy                         [K, n]
 The backward hands w over as is with transpose_w (the kernels read it K-major), so no transposed
 copy of the weight is made; the partner op's backward does the same with its weight.
+
+FP8 operands (with x_scale and w_scale) run forward-only (ops/_fp8.py).
 """
 from __future__ import annotations
 
-from jaxflux.ops import _common, _differentiable
+from jaxflux.ops import _common, _differentiable, _fp8
 
 
 def all_gather_matmul(x, w, axis_name: str, *, return_gathered: bool = False, impl: str = "auto",
-                      preferred_element_type=None, precision=None):
+                      preferred_element_type=None, precision=None, x_scale=None, w_scale=None,
+                      transpose_w: bool = False):
   """All-gathers `x` along its token axis (-2) over `axis_name`, then multiplies by `w`.
 
   Equivalent to `lax.all_gather(x, axis_name, axis=x.ndim - 2, tiled=True) @ w`, with the
@@ -27,7 +30,7 @@ def all_gather_matmul(x, w, axis_name: str, *, return_gathered: bool = False, im
 
   Args:
     x: [..., m, K] local token shard; leading axes are batch.
-    w: [K, n] local column shard of the weight.
+    w: [K, n] local column shard of the weight ([n, K] with transpose_w).
     axis_name: the tensor-parallel mesh axis (size tp).
     return_gathered: also return x_full = the gathered x, [..., tp*m, K].
     impl: "auto" (fused kernel where it exists and the benchmark measured it ahead, else XLA),
@@ -36,16 +39,40 @@ def all_gather_matmul(x, w, axis_name: str, *, return_gathered: bool = False, im
       dtype, K and N multiples of 8, and writes y in that dtype. Its backward computes dX with
       matmul_reduce_scatter(impl=impl).
     preferred_element_type: output dtype (accumulation is fp32 on the fused path); default is
-      the promoted input dtype.
+      the promoted input dtype, bfloat16 for FP8.
     precision: `lax.Precision` for the XLA path, as in `lax.dot_general` (the fused kernel always
-      multiplies bf16/fp16 inputs with fp32 accumulation).
+      multiplies bf16/fp16 inputs with fp32 accumulation). FP8 on Hopper: DEFAULT lets cuBLASLt
+      accumulate fast, HIGHEST asks it for promoted accumulation.
+    x_scale: FP8 only: float32 dequantization scale of x, shape () or (1,) (per tensor) or
+      x.shape[:-1] + (1,) (per row). It is gathered with x, so each rank's scale stays with its
+      own rows.
+    w_scale: FP8 only: float32 dequantization scale of w, shape () or (1,) (per tensor) or
+      (1, n) (per output column).
+    transpose_w: w is given as its transpose, [n, K] (K-major, the layout the kernels read
+      natively; required by the fused FP8 kernel); the op multiplies by wᵀ without
+      materializing a transpose. A static Python bool.
+
+  FP8: x and w each float8_e4m3fn or float8_e5m2 (both FP8 or neither), with both scales;
+  y = (x.astype(f32) * x_scale) @ (w.astype(f32) * w_scale) in float32, cast to
+  preferred_element_type. x_full (return_gathered) stays in x's FP8 dtype; the caller has the
+  scales. FP8 calls are forward-only: differentiating one raises a TypeError (the layer recipe,
+  jaxflux.Dense(..., dot_general_cls=flax.linen.Fp8DirectDotGeneralOp), trains in FP8).
+  impl="auto" takes XLA for FP8; impl="fused" needs (x, w) in (e4m3, e4m3) or (e5m2, e4m3),
+  transpose_w=True, bfloat16 output, K and n multiples of 16 and tp <= 8.
 
   Returns:
     y [..., tp*m, n], or (y, x_full) when return_gathered.
   """
   op = "all_gather_matmul"
   _common.check_impl(op, impl)
-  _common.check_operands(op, x, w)
+  transpose_w = _common.check_static_bool(op, "transpose_w", transpose_w)
+  _common.check_operands(op, x, w, transpose_w=transpose_w)
   _common.axis_size(op, axis_name)
+  if _fp8.is_fp8_call(op, x, w, x_scale, w_scale):
+    return _fp8.all_gather_matmul(x, w, x_scale, w_scale, axis_name,
+                                  return_gathered=bool(return_gathered), impl=impl,
+                                  preferred_element_type=preferred_element_type,
+                                  precision=precision, transpose_w=transpose_w)
   return _differentiable.all_gather_matmul(x, w, axis_name, return_gathered, impl,
-                                          preferred_element_type, precision, transpose_w=False)
+                                          preferred_element_type, precision,
+                                          transpose_w=transpose_w)

@@ -36,12 +36,21 @@ def matmul_all_reduce(x, w, axis_name: str, *, impl: str = "auto", preferred_ele
     preferred_element_type: output dtype; default is the promoted input dtype.
     precision: `lax.Precision` for the XLA path, as in `lax.dot_general`.
 
+  FP8 operands are refused (TypeError): all_gather_matmul and matmul_reduce_scatter take them.
+
   Returns:
     y [..., M, N].
   """
   op = "matmul_all_reduce"
   _common.check_impl(op, impl)
   _common.check_operands(op, x, w)
+  for name, a in (("x", x), ("w", w)):
+    if _common.is_narrow_float(a.dtype):
+      raise TypeError(
+          f"{op}: {name}.dtype={a.dtype}: matmul_all_reduce does not take FP8 operands. FP8 runs "
+          "through all_gather_matmul and matmul_reduce_scatter (x_scale=, w_scale=), i.e. "
+          "tensor parallelism with sequence parallelism (jaxflux.Dense(..., "
+          "sequence_parallel=True)); here pass x and w in bfloat16 or float16.")
   _common.axis_size(op, axis_name)
   return _differentiable.matmul_all_reduce(x, w, axis_name, impl, preferred_element_type,
                                            precision, transpose_w=False)

@@ -3,7 +3,7 @@ parallelism.
 
 Per-device view inside `jax.shard_map`:
   x [..., M, k]      all tokens, this device's slice of the contraction dim
-  w [k, N]           this device's row shard of the weight
+  w [k, N]           this device's row shard of the weight ([N, k] with transpose_w)
   z [..., M/tp, N]   this device's token shard of the summed output
 
 Backward (the pair closes under differentiation):
@@ -11,14 +11,17 @@ Backward (the pair closes under differentiation):
   dw = xᵀ · dz_full                                                [k, N]
 The backward hands w over as is with transpose_w (the kernels read it K-major), so no transposed
 copy of the weight is made; the partner op's backward does the same with its weight.
+
+FP8 operands (with x_scale and w_scale) run forward-only (ops/_fp8.py).
 """
 from __future__ import annotations
 
-from jaxflux.ops import _common, _differentiable
+from jaxflux.ops import _common, _differentiable, _fp8
 
 
 def matmul_reduce_scatter(x, w, axis_name: str, *, impl: str = "auto",
-                          preferred_element_type=None, precision=None):
+                          preferred_element_type=None, precision=None, x_scale=None,
+                          w_scale=None, transpose_w: bool = False):
   """Multiplies `x` by `w`, then sums over `axis_name` and scatters along the token axis (-2).
 
   Equivalent to `lax.psum_scatter(x @ w, axis_name, scatter_dimension=x.ndim - 2, tiled=True)`,
@@ -27,18 +30,36 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, impl: str = "auto",
 
   Args:
     x: [..., M, k] all tokens, local slice of the contraction dim; M must divide by tp.
-    w: [k, N] local row shard of the weight.
+    w: [k, N] local row shard of the weight ([N, k] with transpose_w).
     axis_name: the tensor-parallel mesh axis (size tp).
     impl: "auto", "fused" (fused kernel or an error) or "xla" (pure-JAX reference).
-    preferred_element_type: output dtype; default is the promoted input dtype.
-    precision: `lax.Precision` for the XLA path, as in `lax.dot_general`.
+    preferred_element_type: output dtype; default is the promoted input dtype, bfloat16 for FP8.
+    precision: `lax.Precision` for the XLA path, as in `lax.dot_general`. FP8 on Hopper:
+      DEFAULT lets cuBLASLt accumulate fast, HIGHEST asks it for promoted accumulation.
+    x_scale: FP8 only: float32 dequantization scale of x, shape () or (1,) (per tensor) or
+      x.shape[:-1] + (1,) (per row).
+    w_scale: FP8 only: float32 dequantization scale of w, shape () or (1,) (per tensor) or
+      (1, N) (per output column).
+    transpose_w: w is given as its transpose, [N, k] (K-major, the layout the kernels read
+      natively; required by the fused FP8 kernel); the op multiplies by wᵀ without
+      materializing a transpose. A static Python bool.
+
+  FP8: x and w each float8_e4m3fn or float8_e5m2 (both FP8 or neither), with both scales; each
+  rank's partial (x.astype(f32) * x_scale) @ (w.astype(f32) * w_scale) is summed and scattered,
+  then cast to preferred_element_type. The XLA reference sums float32 partials; the fused
+  kernel sums bfloat16 partials (one more rounding per rank). FP8 calls are forward-only:
+  differentiating one raises a TypeError (the layer recipe,
+  jaxflux.Dense(..., dot_general_cls=flax.linen.Fp8DirectDotGeneralOp), trains in FP8).
+  impl="auto" takes XLA for FP8; impl="fused" needs (x, w) in (e4m3, e4m3) or (e5m2, e4m3),
+  transpose_w=True, bfloat16 output, k and N multiples of 16 and tp <= 8.
 
   Returns:
     z [..., M/tp, N].
   """
   op = "matmul_reduce_scatter"
   _common.check_impl(op, impl)
-  _common.check_operands(op, x, w)
+  transpose_w = _common.check_static_bool(op, "transpose_w", transpose_w)
+  _common.check_operands(op, x, w, transpose_w=transpose_w)
   tp = _common.axis_size(op, axis_name)
   tokens = x.shape[-2]
   if tokens % tp:
@@ -46,5 +67,9 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, impl: str = "auto",
         f"{op}: the token axis of x (axis -2, size {tokens}, x.shape={x.shape}) must divide by "
         f"the size of mesh axis {axis_name!r} (tp={tp}) to be scattered. Pad the tokens to a "
         f"multiple of {tp} or use a tp that divides {tokens}.")
+  if _fp8.is_fp8_call(op, x, w, x_scale, w_scale):
+    return _fp8.matmul_reduce_scatter(x, w, x_scale, w_scale, axis_name, impl=impl,
+                                      preferred_element_type=preferred_element_type,
+                                      precision=precision, transpose_w=transpose_w)
   return _differentiable.matmul_reduce_scatter(x, w, axis_name, impl, preferred_element_type,
-                                               precision, transpose_w=False)
+                                               precision, transpose_w=transpose_w)
