@@ -19,6 +19,10 @@ laid out the same way, so checkpoints and partition metadata do not change):
   column: x [..., T, K] replicated  -> y [..., T, N/tp @tp]   (a local matmul)
   row:    x [..., T, K/tp @tp]      -> y [..., T, N] replicated (matmul fused with an
                                                                  all-reduce)
+
+With Flax's FP8 recipe (`jaxflux.Dense(..., dot_general_cls=nn.Fp8DirectDotGeneralOp)`) the
+per-device matmul is `_fp8_recipe.fp8_matmul` instead, in the same layouts; the recipe's six
+variables enter the shard_map replicated.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jaxflux import ops
+from jaxflux import _fp8_recipe, ops
 
 TENSOR_PARALLEL_MODES = (None, "column", "row")
 IMPLS = ("auto", "fused", "xla")
@@ -210,6 +214,7 @@ def tensor_parallel_matmul(
   precision,
   preferred_element_type,
   sequence_parallel: bool = True,
+  fp8_meta: tuple | None = None,
 ) -> jax.Array:
   """`inputs @ kernel + bias` (global view) with the op of `mode` in a shard_map.
 
@@ -219,6 +224,10 @@ def tensor_parallel_matmul(
     mesh: the layer's `mesh` field (None: use the ambient mesh).
     sequence_parallel: False: tokens are never split (module docstring), so `token_axis`
       is not read and any number of tokens works.
+    fp8_meta: None, or the six variables of Flax's FP8 recipe (`_fp8_recipe.META_NAMES`
+      order): the matmul then runs that recipe (`_fp8_recipe.fp8_matmul`), in the kernel's
+      dtype; `precision` and `preferred_element_type` are not read (Flax's FP8 ops ignore
+      them too). The variables enter replicated; their cotangents are their new values.
 
   Returns:
     [..., tokens, features], the same layout as `inputs`.
@@ -266,12 +275,22 @@ def tensor_parallel_matmul(
   if bias is not None:
     args.append(bias)
     dims.append(bias_dims)
+  meta_count = 0 if fp8_meta is None else len(fp8_meta)
+  if fp8_meta is not None:
+    args.extend(fp8_meta)
+    dims.extend([((),)] * meta_count)  # replicated: scales [1], amax histories [length]
   if explicit:
     args = [_reshard(a, _spec(d, explicit), mesh) for a, d in zip(args, dims)]
 
-  def local(x, kernel, bias=None):
+  def local(x, kernel, *rest):
+    rest = list(rest)
+    meta = tuple(rest[len(rest) - meta_count:])
+    bias = rest[0] if len(rest) > meta_count else None
     kw = dict(precision=precision, preferred_element_type=preferred_element_type)
-    if mode == "column" and not sequence_parallel:
+    if meta:
+      y = _fp8_recipe.fp8_matmul(x, kernel, meta, mode=mode, axis_name=axis_name, impl=impl,
+                                 sequence_parallel=sequence_parallel)
+    elif mode == "column" and not sequence_parallel:
       # Every device has all tokens: its output features need no communication. (The
       # backward sums x's cotangent over tp: the transpose of x's implicit broadcast.)
       y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), **kw)

@@ -8,6 +8,7 @@ from flax.core import meta
 from flax.typing import Dtype, Initializer
 from jax import lax
 
+from jaxflux import _fp8_recipe
 from jaxflux import _tensor_parallel as tpm
 
 __all__ = ["Dense"]
@@ -129,6 +130,16 @@ class Dense(nn.Dense):
   gets the kernel's output-feature name (column) or none (row: replicated).
   ``nn.with_partitioning`` boxes work alike, their names being mesh axes.
 
+  FP8. ``dot_general_cls=nn.Fp8DirectDotGeneralOp`` (or the deprecated
+  ``nn.Fp8DotGeneralOp``, the same math) runs Flax's FP8 recipe with the fused FP8 matmuls:
+  the same submodule and variables as ``flax.linen.Dense`` with that class (six
+  ``_overwrite_with_gradient`` variables, whose gradients are their new values: overwrite
+  them with their gradients after each step, as with Flax), the same delayed-scaling updates
+  with the amax taken over the whole (global) tensor, e4m3 forward and e5m2 output
+  gradient. The matmul runs in the kernel's dtype (after ``dtype`` promotion), as Flax's.
+  With ``sequence_parallel=False`` the recipe runs with local XLA FP8 matmuls (and, for a
+  row layer, an all-reduce): ``jaxflux.matmul_all_reduce`` takes no FP8.
+
   Example usage::
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -160,7 +171,8 @@ class Dense(nn.Dense):
     promote_dtype: function promoting ``(inputs, kernel, bias)`` to a common
       dtype, called as ``promote_dtype(inputs, kernel, bias, dtype=dtype)``.
     dot_general: dot product function; only with ``tensor_parallel=None``.
-    dot_general_cls: dot product class; only with ``tensor_parallel=None``.
+    dot_general_cls: dot product class. With ``tensor_parallel`` set, only Flax's FP8
+      recipe: ``nn.Fp8DirectDotGeneralOp`` or ``nn.Fp8DotGeneralOp`` (see FP8).
     tensor_parallel: ``None`` (plain ``flax.linen.Dense``), ``"column"`` or
       ``"row"``; see above.
     axis_name: the mesh axis that shards the layer. Default None: the axis that a
@@ -194,14 +206,17 @@ class Dense(nn.Dense):
       impl=self.impl,
       sequence_parallel=self.sequence_parallel,
     )
-    if self.tensor_parallel is not None and (
-      self.dot_general is not None or self.dot_general_cls is not None
-    ):
+    if self.tensor_parallel is not None and self.dot_general is not None:
       raise ValueError(
-        f"jaxflux.Dense(tensor_parallel={self.tensor_parallel!r}): dot_general "
-        "and dot_general_cls are only supported with tensor_parallel=None; the "
-        "tensor-parallel layer runs jaxflux's fused matmul instead."
+        f"jaxflux.Dense(tensor_parallel={self.tensor_parallel!r}): a dot_general function "
+        "is only supported with tensor_parallel=None; the tensor-parallel layer runs "
+        "jaxflux's fused matmul instead. For FP8 training pass "
+        "dot_general_cls=nn.Fp8DirectDotGeneralOp (Flax's recipe, run through the fused "
+        "FP8 matmuls)."
       )
+    if self.tensor_parallel is not None and self.dot_general_cls is not None:
+      _fp8_recipe.check_dot_general_cls(
+        "jaxflux.Dense", self.tensor_parallel, self.dot_general_cls)
     super().__post_init__()
 
   def _tensor_parallel_params(
@@ -292,6 +307,13 @@ class Dense(nn.Dense):
         y += bias.reshape((1,) * (y.ndim - 1) + (-1,))
       return y
 
+    fp8_meta = None
+    if self.dot_general_cls is not None:
+      # Flax's FP8 recipe: the submodule flax.linen.Dense creates (same class, same name,
+      # e.g. Fp8DirectDotGeneralOp_0) holds its six variables; the recipe reads them, and
+      # their gradients are their new values, as with flax.linen.Dense.
+      fp8_op = self.dot_general_cls()
+      fp8_meta = tuple(getattr(fp8_op, name).value for name in _fp8_recipe.META_NAMES)
     return tpm.tensor_parallel_matmul(
       "jaxflux.Dense",
       inputs,
@@ -305,4 +327,5 @@ class Dense(nn.Dense):
       precision=self.precision,
       preferred_element_type=None,  # flax.linen.Dense has no such field
       sequence_parallel=self.sequence_parallel,
+      fp8_meta=fp8_meta,
     )
