@@ -7,9 +7,11 @@
 #   tests   every GPU-marked test this machine can run (two-GPU tests skip on one GPU; the fused
 #           ops' matrix with two ranks sharing GPU 0 runs anywhere). GPU_TESTS narrows the files
 #           (e.g. GPU_TESTS=tests/test_multiprocess_gpu.py TESTS_TIMEOUT=440), PYTEST_K adds -k.
+#           gpu_tests.xml (JUnit) holds what tests record, e.g. test_fp8_gpu.py's error per case.
 #   tables  the benchmark tables: the single-GPU GEMM tables (h200_gemm_table.json,
-#           h200_gemm_all_reduce.json); with two or more GPUs also both fused ops and the
-#           all-gather against XLA at tp=2
+#           h200_gemm_all_reduce.json, and the FP8 one, h200_fp8_gemm.json); with two or more
+#           GPUs also both fused ops and the all-gather against XLA at tp=2. TABLES narrows
+#           them by output name (e.g. TABLES=h200_fp8_gemm).
 #   train   the training example (llama70b-8l preset, $TRAIN_STEPS steps, default 60) in modes
 #           jaxflux, xla and windowed; needs two GPUs
 set -uo pipefail
@@ -34,12 +36,14 @@ echo "GPUs: $GPUS"
 if stage tests; then
   timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -rs -m gpu ${GPU_TESTS:-tests} \
     ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider --durations=10 -o faulthandler_timeout=300 \
-    > "$OUTDIR/gpu_tests.log" 2>&1 || status=1
+    --junitxml "$OUTDIR/gpu_tests.xml" -o junit_family=xunit1 > "$OUTDIR/gpu_tests.log" 2>&1 \
+    || status=1
   tail -25 "$OUTDIR/gpu_tests.log"
 fi
 
 bench() {  # output name, then the benchmark's arguments; prints the table's lines
   local name=$1; shift
+  [[ -z "${TABLES:-}" || " $TABLES " == *" $name "* ]] || return 0
   timeout "${BENCH_TIMEOUT:-540}" python3 -m jaxflux.bench "$@" --timing device \
     --out "$OUTDIR/$name.json" > "$OUTDIR/$name.log" 2>&1 || status=1
   sed -n '/^\(of \|name\)/,$p' "$OUTDIR/$name.log"
@@ -48,6 +52,10 @@ bench() {  # output name, then the benchmark's arguments; prints the table's lin
 if stage tables; then
   bench h200_gemm_table --op gemm --of ag_gemm,gemm_rs
   bench h200_gemm_all_reduce --op gemm --of gemm_ar
+  # XLA compiles and autotunes each new FP8 shape for 10-40 s: the 32 rows need more than one
+  # call's time on a fresh machine; FP8_OF / FP8_M narrow them (e.g. FP8_OF=ag_gemm FP8_M=2048,4096).
+  bench h200_fp8_gemm --op gemm --of "${FP8_OF:-ag_gemm,gemm_rs}" ${FP8_M:+--M "$FP8_M"} \
+    --dtype float8_e4m3fn --variants xla_fp8_fast,fp8_gemm_only,quantize
   if (( GPUS >= 2 )); then
     for op in ag_gemm gemm_rs; do
       bench "h200x2_${op}_tp2" --op $op --tp 2 --M 2048,4096,8192 \

@@ -16,6 +16,11 @@ processes' GPUs:
     once too), batch dims, fp16, gradients and back-to-back calls against float32 NumPy; each
     process prints `DIGEST <case> <sha256>` of its copy of the output, which the test compares
     across processes (every rank must hold the same bits);
+  MODE=fp8: both fused ops on FP8 operands (x e4m3 or e5m2, w e4m3 given as [n, K] with
+    transpose_w=True), per-tensor scales that differ between the ranks and row-wise scales, odd
+    shapes and batch dims, against float32 NumPy on the dequantized values; all_gather_matmul
+    also returns x_full (the FP8 values, bit for bit), and every compiled program holds the
+    fused custom call and no XLA all-gather / reduce-scatter;
   MODE=die: one call of each fused op (and the all-gather, and GEMM+RS with either reduction:
     every kind of wait in the kernels), then process 1 exits at once and process 0 calls each
     again: each must fail with jaxflux's timeout error naming its op, instead of hanging.
@@ -250,6 +255,131 @@ def run_all_reduce():
     check(f"ar back-to-back call {i}", outs[i], refs[i])
 
 
+FP8_FORMATS = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+
+
+def quantize(a, scale, dtype):
+  """a / scale rounded to the FP8 `dtype` (NumPy, ml_dtypes), clipped to its range."""
+  fmax = float(jnp.finfo(dtype).max)
+  return np.clip(a / scale, -fmax, fmax).astype(dtype)
+
+
+def amax_scale(a, dtype, axis=None):
+  """The scale putting the largest magnitude of `a` (along `axis`) on the format's largest."""
+  return (np.abs(a).max(axis=axis, keepdims=axis is not None) / float(jnp.finfo(dtype).max)
+          ).astype(np.float32)
+
+
+def check_fp8_hlo(name, f, args, target):
+  """The compiled program runs the fused custom call and no XLA all-gather / reduce-scatter
+  (the scales too travel inside the kernel)."""
+  import hlo_util  # tests/ is this script's folder
+  text = f.lower(*args).compile().as_text()
+  targets, counts = hlo_util.custom_call_targets(text), hlo_util.count_collectives(text)
+  if (any(t.startswith(target) for t in targets) and not counts.get("all-gather")
+          and not counts.get("reduce-scatter")):
+    print(f"PASS {name} hlo", flush=True)
+  else:
+    failures.append(f"{name} hlo: custom calls {targets}, collectives {counts}")
+    print(f"FAIL {name} hlo: custom calls {targets}, collectives {counts}", flush=True)
+
+
+def check_fp8_ag(fmt, kind, batch, m, k, n):
+  """all_gather_matmul: rank r's rows are scaled by 4^r before quantizing, so the per-tensor
+  x_scale differs between ranks and each shard must keep its own."""
+  name = f"fp8 ag x={fmt} scales={kind} batch={batch} rows/rank={m} K={k} n={n}"
+  rng = np.random.default_rng(len(name) + m + k)
+  dtype, rows, cols = FP8_FORMATS[fmt], tp * m, tp * n
+  x = rng.standard_normal(batch + (rows, k)).astype(np.float32)
+  x *= (4.0 ** (np.arange(rows) // m) / 2)[:, None]
+  wt = (rng.standard_normal((cols, k)) / np.sqrt(k)).astype(np.float32)
+  b = (None,) * len(batch)
+  if kind == "rowwise":  # magnitudes spread over 2^±4 per row of x and per output column
+    x *= 2.0 ** rng.uniform(-4, 4, batch + (rows, 1))
+    wt *= 2.0 ** rng.uniform(-4, 4, (cols, 1))
+    x_scale, x_rows, xs_spec = (amax_scale(x, dtype, -1),) * 2 + (P(*b, "tp", None),)
+    w_cols = amax_scale(wt, jnp.float8_e4m3fn, 1)[:, 0]
+    w_scale, ws_spec = w_cols[None], P(None, "tp")
+  else:  # one scale per rank for x (shape (1,) on each), one for w
+    x_scale = np.stack([amax_scale(x[..., r * m:(r + 1) * m, :], dtype) for r in range(tp)])
+    x_rows, xs_spec = np.repeat(x_scale, m)[:, None], P("tp")
+    w_scale, ws_spec = amax_scale(wt, jnp.float8_e4m3fn).reshape(1), P()
+    w_cols = np.full((cols,), w_scale[0], np.float32)
+  x8, wt8 = quantize(x, x_rows, dtype), quantize(wt, w_cols[:, None], jnp.float8_e4m3fn)
+  want = (x8.astype(np.float64) * x_rows) @ (wt8.astype(np.float64) * w_cols[:, None]).T
+
+  def body(x, wt, xs, ws):
+    y, x_full = jaxflux.all_gather_matmul(x, wt, "tp", impl="fused", x_scale=xs, w_scale=ws,
+                                          transpose_w=True, return_gathered=True)
+    return y, x_full[None]
+
+  f = shard_mapped(body, (P(*b, "tp", None), P("tp", None), xs_spec, ws_spec),
+                   (P(*b, None, "tp"), P("tp")))
+  args = (global_array(x8, P(*b, "tp", None)), global_array(wt8, P("tp", None)),
+          global_array(x_scale, xs_spec), global_array(w_scale, ws_spec))
+  y, x_full = f(*args)
+  check(name, y, want, tol=5e-3)
+  same = all(np.array_equal(np.asarray(s.data).astype(np.float32), x8[None].astype(np.float32))
+             for s in x_full.addressable_shards)
+  if same and x_full.dtype == dtype:
+    print(f"PASS {name} x_full", flush=True)
+  else:
+    failures.append(f"{name} x_full: not x's FP8 values ({x_full.dtype})")
+    print(f"FAIL {name} x_full ({x_full.dtype})", flush=True)
+  check_fp8_hlo(name, f, args, "jaxflux_all_gather_matmul")
+
+
+def check_fp8_rs(fmt, kind, batch, rows, k, n):
+  """matmul_reduce_scatter: every scale differs between the ranks (each quantizes its own slice
+  of K; rank r's slice of x is scaled by 4^r first), per tensor or per row / column."""
+  name = f"fp8 rs x={fmt} scales={kind} batch={batch} M={rows} k/rank={k} N={n}"
+  rng = np.random.default_rng(len(name) + rows + k)
+  dtype, kk = FP8_FORMATS[fmt], tp * k
+  x = rng.standard_normal(batch + (rows, kk)).astype(np.float32)
+  x *= (4.0 ** (np.arange(kk) // k) / 2)[None, :]
+  wt = (rng.standard_normal((n, kk)) / np.sqrt(kk)).astype(np.float32)
+  b = (None,) * len(batch)
+  if kind == "rowwise":
+    x *= 2.0 ** rng.uniform(-4, 4, batch + (rows, 1))
+    wt *= 2.0 ** rng.uniform(-4, 4, (n, 1))
+  want = 0.0
+  x8, wt8, x_scale, w_scale = [], [], [], []
+  for r in range(tp):  # rank r's slice of K, quantized with its own scales
+    xr, wr = x[..., r * k:(r + 1) * k], wt[:, r * k:(r + 1) * k]
+    axes = (-1, 1) if kind == "rowwise" else (None, None)
+    xs, ws = amax_scale(xr, dtype, axes[0]), amax_scale(wr, jnp.float8_e4m3fn, axes[1])
+    x8.append(quantize(xr, xs, dtype))
+    wt8.append(quantize(wr, ws, jnp.float8_e4m3fn))
+    x_scale.append(xs)
+    w_scale.append(ws)
+    want = want + (x8[-1].astype(np.float64) * xs) @ (wt8[-1].astype(np.float64) * ws).T
+  x8, wt8 = np.concatenate(x8, -1), np.concatenate(wt8, -1)
+  if kind == "rowwise":  # [..., M, tp] and [tp, N]: rank r holds [..., M, 1] and [1, N]
+    x_scale, xs_spec = np.concatenate(x_scale, -1), P(*b, None, "tp")
+    w_scale, ws_spec = np.concatenate([ws.T for ws in w_scale], 0), P("tp", None)
+  else:  # (tp,): rank r holds (1,)
+    x_scale, w_scale = np.stack(x_scale), np.stack(w_scale)
+    xs_spec = ws_spec = P("tp")
+  body = lambda x, wt, xs, ws: jaxflux.matmul_reduce_scatter(  # noqa: E731
+      x, wt, "tp", impl="fused", x_scale=xs, w_scale=ws, transpose_w=True)
+  f = shard_mapped(body, (P(*b, None, "tp"), P(None, "tp"), xs_spec, ws_spec),
+                   P(*b, "tp", None))
+  args = (global_array(x8, P(*b, None, "tp")), global_array(wt8, P(None, "tp")),
+          global_array(x_scale, xs_spec), global_array(w_scale, ws_spec))
+  # The kernel sums bfloat16 partials: one more rounding than the output's.
+  check(name, f(*args), want, tol=5e-3)
+  check_fp8_hlo(name, f, args, "jaxflux_matmul_reduce_scatter")
+
+
+def run_fp8():
+  for fmt in FP8_FORMATS:
+    for kind in ("tensor", "rowwise"):
+      for batch, m, k, n in (((), 256, 512, 384), ((), 200, 272, 144), ((2,), 128, 256, 128)):
+        check_fp8_ag(fmt, kind, batch, m, k, n)
+      for batch, rows, k, n in (((), 512, 512, 384), ((), 400, 272, 144), ((2,), 256, 256, 128)):
+        check_fp8_rs(fmt, kind, batch, rows, k, n)
+
+
 def shard_mapped(fn, in_specs, out_spec):
   return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec))
 
@@ -311,6 +441,10 @@ if MODE == "check":
 elif MODE == "matrix":
   with jax.set_mesh(mesh):
     run_matrix()
+  _runtime.check_errors()
+elif MODE == "fp8":
+  with jax.set_mesh(mesh):
+    run_fp8()
   _runtime.check_errors()
 elif MODE == "all_reduce":
   with jax.set_mesh(mesh):

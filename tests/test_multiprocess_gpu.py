@@ -111,5 +111,19 @@ def test_matmul_all_reduce_across_two_processes_sharing_one_gpu(one_gpu_launcher
   assert len(digests[0]) == 14 and digests[0] == digests[1], describe(results)
 
 
+def test_fp8_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path):
+  """FP8 all_gather_matmul and matmul_reduce_scatter, impl="fused": x e4m3 or e5m2 with an e4m3
+  weight given [n, K] (transpose_w=True), per-tensor scales that differ between the ranks and
+  row-wise ones, odd shapes and batch dims, against float32 NumPy on the dequantized values;
+  all_gather_matmul's x_full the FP8 values bit for bit; every compiled program the fused custom
+  call and no XLA all-gather / reduce-scatter."""
+  results = _run(one_gpu_launcher, tmp_path, "fp8", timeout=300, shared=True)
+  assert [code for code, _ in results] == [0, 0], describe(results)
+  for i, (_, out) in enumerate(results):
+    assert f"WORKER OK {i}" in out and "FAIL" not in out, describe(results)
+    # 2 formats x 2 scale kinds x 3 shapes: ag value, x_full, HLO; rs value, HLO
+    assert out.count("PASS fp8 ag ") == 36 and out.count("PASS fp8 rs ") == 24, describe(results)
+
+
 def test_a_dead_peer_sharing_one_gpu_fails_the_survivor(one_gpu_launcher, tmp_path):
   _assert_every_wait_timed_out(_run(one_gpu_launcher, tmp_path, "die", timeout=120, shared=True))

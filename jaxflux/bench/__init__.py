@@ -22,7 +22,8 @@ inputs already placed with the sharding the program expects, so no resharding is
   xla_gspmd     (not run by default) the GSPMD program of xla_windowed without the flags
 For --op all_gather: `xla` is lax.all_gather and `jaxflux` the internal copy-engine all-gather
 (jaxflux.ops.all_gather.all_gather(x, axis_name, impl="fused")). --op gemm is the single-device
-GEMM table (jaxflux/bench/gemm_table.py).
+GEMM table (jaxflux/bench/gemm_table.py); with --dtype float8_e4m3fn or float8_e5m2 the FP8 one
+(jaxflux/bench/fp8_table.py).
 
 Timing (timing.py): on GPU the GPUs' own clocks around queued calls (`--timing device`) or the
 host's (`dispatch`); elsewhere one jitted program runs the op `--iters` times in a

@@ -10,11 +10,12 @@ import sys
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxflux.bench import device_clock, processes
 from jaxflux.bench.config import (CHILD_MARKER, DEFAULT_VARIANTS, DEFINITIONS, EXTRA_VARIANTS,
-                                  GEMM_FAMILIES, GEMM_VARIANTS, OP_VARIANTS, OPS,
-                                  WINDOWED_FLAGS, repo_root)
+                                  FP8_DTYPES, FP8_GEMM_FAMILIES, FP8_GEMM_VARIANTS, GEMM_FAMILIES,
+                                  GEMM_VARIANTS, OP_VARIANTS, OPS, WINDOWED_FLAGS, repo_root)
 from jaxflux.bench.gemm_table import format_gemm_table, summarize_table
 from jaxflux.bench.inputs import make_mesh
 from jaxflux.bench.machine import provenance
@@ -64,7 +65,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       "(default all; gemm_ar's default M: 1,8,32,128,512,2048,8192)")
   p.add_argument("--sizes-mib", type=_csv(float), default=None,
                  help="all_gather only: per-device shard sizes in MiB instead of the shapes")
-  p.add_argument("--dtype", default="bfloat16", help="input dtype (default bfloat16)")
+  p.add_argument("--dtype", default="bfloat16",
+                 help="input dtype (default bfloat16); --op gemm also takes "
+                      f"{' or '.join(FP8_DTYPES)}: the FP8 table (x in that format, the weight "
+                      f"in e4m3 given [N, K], per-tensor scales, bf16 output; families "
+                      f"{','.join(FP8_GEMM_FAMILIES)}; variants {','.join(FP8_GEMM_VARIANTS)})")
   p.add_argument("--tp", type=int, default=None,
                  help="devices on the tp axis (default: all); --op gemm runs on one device the "
                       "per-device GEMMs of this tp (default 2)")
@@ -114,16 +119,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--_windowed-anywhere", dest="_windowed_anywhere", action="store_true",
                  help=argparse.SUPPRESS)
   args = p.parse_args(argv)
-  known = GEMM_VARIANTS if args.op == "gemm" else DEFAULT_VARIANTS + EXTRA_VARIANTS
+  try:
+    args.dtype = jnp.dtype(args.dtype).name
+  except TypeError:
+    p.error(f"--dtype {args.dtype}: not a dtype name (e.g. bfloat16, float16, float8_e4m3fn)")
+  fp8 = args.dtype in FP8_DTYPES
+  if fp8 and args.op != "gemm":
+    p.error(f"--dtype {args.dtype} applies to --op gemm (the FP8 GEMM-only table) only")
+  gemm_variants = FP8_GEMM_VARIANTS if fp8 else GEMM_VARIANTS
+  known = gemm_variants if args.op == "gemm" else DEFAULT_VARIANTS + EXTRA_VARIANTS
   if args.variants is None:
-    args.variants = list(GEMM_VARIANTS if args.op == "gemm" else DEFAULT_VARIANTS)
+    args.variants = list(gemm_variants if args.op == "gemm" else DEFAULT_VARIANTS)
   unknown = [v for v in args.variants if v not in known]
   if unknown:
-    p.error(f"--variants: unknown {unknown} for --op {args.op}; choose from {known}")
+    kind = f" with --dtype {args.dtype}" if args.op == "gemm" else ""
+    p.error(f"--variants: unknown {unknown} for --op {args.op}{kind}; choose from {known}")
   if args.of is not None:
-    bad = [f for f in args.of if f not in GEMM_FAMILIES]
+    families = FP8_GEMM_FAMILIES if fp8 else GEMM_FAMILIES
+    bad = [f for f in args.of if f not in families]
     if args.op != "gemm" or bad:
-      p.error(f"--of applies to --op gemm and takes {GEMM_FAMILIES}; got {args.of}")
+      kind = f" with --dtype {args.dtype} (GEMM+AllReduce takes no FP8)" if fp8 else ""
+      p.error(f"--of applies to --op gemm and takes {families}{kind}; got {args.of}")
   if args.sizes_mib and args.op != "all_gather":
     p.error("--sizes-mib applies to --op all_gather only")
   for name in ("iters", "repeats"):
@@ -207,6 +223,11 @@ def run(argv: list[str] | None = None, log=print) -> dict:
                              if args.op == "ag_gemm" else None),
           "xla_flags": os.environ.get("XLA_FLAGS", ""),
           "windowed_flags": list(WINDOWED_FLAGS),
+          **({"fp8": {"x_dtype": args.dtype, "w_dtype": "float8_e4m3fn",
+                      "w_layout": "[N, K] (transpose_w=True)", "out_dtype": "bfloat16",
+                      "scales": "per-tensor float32 (amax / format max, a bf16 value); the "
+                                "GEMM-only kernels get them broadcast to x's rows and the "
+                                "output's columns"}} if args.dtype in FP8_DTYPES else {}),
       },
       "definitions": DEFINITIONS,
       "rows": [],

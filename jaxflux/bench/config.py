@@ -15,12 +15,20 @@ OP_VARIANTS = {
                 "xla_windowed", "xla_gspmd"),
     "gemm_rs": ("xla", "gemm", "gemm_only", "comm", "jaxflux", "jaxflux_wt", "auto",
                 "xla_windowed", "xla_gspmd"),
-    # One device: each row is one GEMM a device runs in the fused op at tp=2 (see gemm_table.py).
-    "gemm": ("xla", "gemm_only", "cutlass", "streamk", "xla_own_rows", "own_rows"),
+    # One device: each row is one GEMM a device runs in the fused op at tp=2 (see gemm_table.py;
+    # the FP8 variants, fp8_table.py, run on the FP8 rows of --dtype float8_*).
+    "gemm": ("xla", "gemm_only", "cutlass", "streamk", "xla_own_rows", "own_rows",
+             "xla_fp8_fast", "xla_fp8_promoted", "fp8_gemm_only", "cutlass_fp8_fast",
+             "cutlass_fp8_promoted", "quantize"),
 }
-GEMM_VARIANTS = OP_VARIANTS["gemm"]
+GEMM_VARIANTS = OP_VARIANTS["gemm"][:6]
+FP8_GEMM_VARIANTS = OP_VARIANTS["gemm"][6:]
+# --dtype values that make --op gemm the FP8 table: x's format (the weight is always e4m3).
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 # --op gemm's row families: the per-device GEMM of each fused op at tp=2.
 GEMM_FAMILIES = ("ag_gemm", "gemm_rs", "gemm_ar")
+# The families of the FP8 table: GEMM+AllReduce takes no FP8 operands.
+FP8_GEMM_FAMILIES = ("ag_gemm", "gemm_rs")
 # --op gemm's default token counts: where impl="auto" takes the fused kernels at tp=2; for
 # GEMM+AllReduce (gemm_ar rows) decode sizes too, where the GEMM is a read of the weight.
 GEMM_TABLE_M = (2048, 4096, 8192, 16384)
@@ -62,6 +70,30 @@ DEFINITIONS = {
                     "TB/s (1e12): the rate the GEMM reads the weight, its bound at decode sizes"),
     "own_rows_vs_xla_own_rows": ("--op gemm, gemm_rs rows: ms['own_rows'] / ms['xla_own_rows'] "
                                  "(the own-rows kernel reading C against XLA's dot without C)"),
+    "fp8_gemm_only_vs_xla_fp8": ("--op gemm, FP8 rows: ms['fp8_gemm_only'] / ms['xla_fp8_<acc>'] "
+                                 "with <acc> the row's `accumulate`, the accumulation the fused "
+                                 "kernels are built with for x's dtype (> 1: the fused op's FP8 "
+                                 "GEMM is slower than XLA's FP8 cuBLASLt GEMM on the same "
+                                 "operands, accumulating alike)"),
+    "cutlass_fp8_fast_vs_xla_fp8_fast": ("--op gemm, FP8 rows: CUTLASS's FP8 GEMM against "
+                                         "cuBLASLt's, both with fast accumulation; likewise "
+                                         "cutlass_fp8_promoted_vs_xla_fp8_promoted"),
+    "quantize_vs_fp8_gemm_only": ("--op gemm, FP8 rows: ms['quantize'] / ms['fp8_gemm_only'] (the "
+                                  "quantizing pass's time beside the GEMM's; in no other ratio)"),
+    "quantize_tbps": ("--op gemm, FP8 rows: the quantizing pass's bytes (bf16 x and w read once, "
+                      "FP8 x and wᵀ written once) / time, TB/s (1e12)"),
+    "rel_err_<variant>": ("--op gemm summary, FP8 rows: mean and worst (largest) rel_err of the "
+                          "variant over the rows; each against the float32 product of the same "
+                          "FP8 values and scales (precision HIGHEST), so quantization error is "
+                          "not in it: accumulation and the bf16 output's rounding are"),
+    "xla_fp8_fast_custom_calls": ("--op gemm, FP8 rows: the custom-call targets of the "
+                                  "compiled xla_fp8_fast program (an FP8 cuBLASLt GEMM is "
+                                  "__cublas$lt$matmul$f8), and `xla_fp8_fast_triton_gemm`: "
+                                  "whether XLA emitted a Triton GEMM fusion instead; likewise "
+                                  "for xla_fp8_promoted"),
+    "accumulate": ("--op gemm, FP8 rows: how the fused kernels accumulate for x's dtype "
+                   "(jaxflux.ops.gemm.FP8_ACCUMULATE): 'fast' (the tensor cores' accumulator) or "
+                   "'promoted' (into float32 registers every few k-blocks)"),
 }
 
 

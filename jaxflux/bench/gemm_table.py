@@ -21,6 +21,7 @@ dot (cuBLAS) on the same operands, variants interleaved as for the other ops:
     streamk       the same with CUTLASS's stream-K 128x128 GEMM, the op's other tile choice
     and weight_tbps: the rate each variant reads the weight, what bounds it at decode sizes
 Each variant's output is checked against the same product computed by XLA in float32.
+With an FP8 --dtype the rows are those of fp8_table.py (ag_gemm and gemm_rs, FP8 variants).
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxflux.bench import fp8_table
+from jaxflux.bench.config import FP8_DTYPES
 from jaxflux.bench.rows import Row
 from jaxflux.bench.table import fmt, error_lines
 
@@ -40,6 +43,11 @@ RATIOS = {"gemm_only_vs_xla": ("gemm_only", "xla"),
 ROW_VARIANTS = {"ag_gemm": ("xla", "gemm_only", "cutlass"),
                 "gemm_rs": ("xla", "gemm_only", "cutlass", "xla_own_rows", "own_rows"),
                 "gemm_ar": ("xla", "gemm_only", "cutlass", "streamk")}
+
+
+def row_variants(row: Row) -> tuple[str, ...]:
+  """The variants a --op gemm row has, in the order they run."""
+  return (fp8_table.ROW_VARIANTS if row.fp8 else ROW_VARIANTS)[row.of]
 
 
 def _gemm(x, w, **kwargs):
@@ -71,8 +79,11 @@ def streamk_gemm(x, w):
 
 
 def variant_spec(name: str, row: Row):
-  """(function, input names, float32 reference function) of a --op gemm variant, or a reason
-  string where the variant does not apply to the row."""
+  """(function, input names, float32 reference function) of a --op gemm variant (on an FP8
+  row: a dict of the Variant's fields), or a reason string where the variant does not apply to
+  the row."""
+  if row.fp8:
+    return fp8_table.variant_spec(name, row)
   if name not in ROW_VARIANTS[row.of]:
     return f"not applicable to {row.of} rows"
   if name == "xla":
@@ -95,9 +106,11 @@ def variant_spec(name: str, row: Row):
   return rs_gemm_only, ("x_peer", "x_own", "w"), lambda p, o, w: _f32_dot(p, w) + _f32_dot(o, w)
 
 
-def _flops(row: Row, variant: str) -> int:
-  """FLOP of one call: own-rows variants do 1/tp of the local GEMM."""
+def _flops(row: Row, variant: str) -> int | None:
+  """FLOP of one call: own-rows variants do 1/tp of the local GEMM; the quantizing pass none."""
   full = 2 * row.M * row.K * row.N // row.tp
+  if variant == "quantize":
+    return None
   return full // row.tp if variant in ("xla_own_rows", "own_rows") else full
 
 
@@ -108,7 +121,7 @@ def _weight_bytes(row: Row) -> int:
 def summarize_gemm_row(row: Row, samples: dict, errors: dict, rel_err: dict, calls: dict,
                        compile_s: dict, n_sets: int) -> dict:
   """The JSON record of one --op gemm row."""
-  names = ROW_VARIANTS[row.of]
+  names = row_variants(row)
   ms = {v: (statistics.median(samples[v]) if samples.get(v) else None) for v in names}
   for v in names:
     if ms[v] is None and v not in errors:
@@ -118,16 +131,22 @@ def summarize_gemm_row(row: Row, samples: dict, errors: dict, rel_err: dict, cal
     if num in names:
       a, b = ms.get(num), ms.get(den)
       ratios[key] = None if a is None or not b else a / b
+  if row.fp8:
+    ratios = fp8_table.row_ratios(row, ms)
   return {
       "op": "gemm", "of": row.of, "name": row.name, "M": row.M, "K": row.K, "N": row.N,
       "tp": row.tp, "dtype": row.dtype, "per_device": row.per_device_shapes,
+      **({"accumulate": fp8_table.built_accumulate(row.dtype)} if row.fp8 else {}),
       "input_sets": n_sets, "calls_per_run": calls, "compile_and_first_run_s": compile_s,
       "ms": ms, "spread_ms": {v: ([min(samples[v]), max(samples[v])] if samples.get(v) else None)
                               for v in names},
       "samples_ms": {v: s for v, s in samples.items()},
-      "tflops": {v: (None if t is None else _flops(row, v) / t / 1e9) for v, t in ms.items()},
+      "tflops": {v: (None if t is None or _flops(row, v) is None else _flops(row, v) / t / 1e9)
+                 for v, t in ms.items()},
       **({"weight_tbps": {v: (None if t is None else _weight_bytes(row) / t / 1e9)
                           for v, t in ms.items()}} if row.of == "gemm_ar" else {}),
+      **({"quantize_tbps": fp8_table.quantize_tbps(row, ms["quantize"])}
+         if "quantize" in ms else {}),
       "ratios": ratios, "rel_err": rel_err, "errors": errors, "warnings": [],
   }
 
@@ -140,7 +159,7 @@ def summarize_table(rows: list[dict]) -> dict[str, Any]:
     if not mine:
       continue
     out[of] = {}
-    for key in RATIOS:
+    for key in tuple(RATIOS) + fp8_table.RATIO_KEYS:
       pairs = [(r["ratios"][key], f"{r['name']} M={r['M']}") for r in mine
                if r["ratios"].get(key) is not None]
       if key not in mine[0]["ratios"]:
@@ -149,6 +168,8 @@ def summarize_table(rows: list[dict]) -> dict[str, Any]:
       out[of][key] = {"rows": len(pairs), "of_rows": len(mine),
                       "mean": statistics.fmean(p[0] for p in pairs) if pairs else None,
                       "worst": worst[0], "worst_row": worst[1]}
+    if any(r["dtype"] in FP8_DTYPES for r in mine):
+      out[of].update(fp8_table.summarize_rel_err(mine))
   return out
 
 
@@ -162,6 +183,8 @@ def _weight_rates(record: dict) -> str:
 
 
 def format_gemm_table(result: dict) -> str:
+  if any(r["dtype"] in FP8_DTYPES for r in result["rows"]):
+    return fp8_table.format_table(result)
   lines = [f"{'of':<8}{'name':<14}{'M':>7}{'xla':>9}{'gemm_only':>10}{'ratio':>7}"
            f"{'cutlass':>9}{'ratio':>7}{'xla_own':>9}{'own_rows':>9}{'ratio':>7}"
            "   (ms per call; ratio > 1: slower than cuBLAS)"]

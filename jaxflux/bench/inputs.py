@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from jaxflux.bench import fp8_table
 from jaxflux.bench.config import AXIS
 from jaxflux.bench.rows import Row
 
@@ -78,9 +79,12 @@ def _transposer(sharding: NamedSharding) -> Callable:
 
 
 def make_inputs(row: Row, mesh: Mesh, n_sets: int, seed: int) -> list[dict[str, jax.Array]]:
-  """Fresh standard-normal arrays (never zeros), generated in place with their final sharding."""
+  """Fresh standard-normal arrays (never zeros), generated in place with their final sharding;
+  an FP8 row's quantized from them (fp8_table.make_inputs)."""
   sets = []
   base = jax.random.fold_in(jax.random.key(seed), zlib.crc32(json.dumps(row.key()).encode()) >> 1)
+  if row.fp8:
+    return fp8_table.make_inputs(row, mesh, n_sets, base)
   for s in range(n_sets):
     arrays = {}
     layouts = _input_layouts(row)

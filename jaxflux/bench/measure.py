@@ -13,8 +13,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxflux.bench.config import OP_VARIANTS, OUTPUT_VARIANTS, PALLAS_MAX_REL_ERR
-from jaxflux.bench.gemm_table import ROW_VARIANTS, summarize_gemm_row
+from jaxflux.bench.gemm_table import row_variants, summarize_gemm_row
 from jaxflux.bench.inputs import input_set_count, make_inputs
+from jaxflux.bench.machine import is_gpu
 from jaxflux.bench.rows import Row
 from jaxflux.bench.summary import summarize_row
 from jaxflux.bench.timing import chain_kind, _Timed
@@ -41,11 +42,27 @@ def _error_text(e: BaseException, limit: int = 600) -> str:
   return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _reference_error(variant: Variant, timed: _Timed, y: jax.Array) -> float:
+def _reference_error(variant: Variant, timed: _Timed, y: jax.Array, input_sets: list[dict],
+                     cache: dict) -> float:
   """rel_err of y against variant.reference on the inputs of the call that produced y (the
-  loop's last call takes set 0; dispatched calls cycle through the sets)."""
+  loop's last call takes set 0; dispatched calls cycle through the sets). A reference result is
+  computed once per row and shared by the variants with the same reference and inputs."""
   last = 0 if timed.mode == "loop" else (timed.calls - 1) % len(timed.args)
-  return float(_rel_err(y, jax.jit(variant.reference)(*timed.args[last])))
+  names = variant.reference_inputs or variant.inputs
+  key = (variant.reference, names, last)
+  if key not in cache:
+    cache[key] = jax.jit(variant.reference)(*(input_sets[last][n] for n in names))
+  want = cache[key]
+  if variant.reference_view is not None:
+    want = variant.reference_view(want)
+  return float(_rel_err(y, want))
+
+
+def _gemm_calls(timed: _Timed) -> tuple[list[str], bool]:
+  """The custom-call targets of a variant's compiled program, and whether it has a GEMM fusion
+  XLA emits with Triton (which XLA may pick over cuBLAS)."""
+  hlo = timed.hlo_text()
+  return sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo))), "__triton_gemm" in hlo
 
 
 @dataclasses.dataclass
@@ -58,12 +75,11 @@ def _prepare(variant: Variant, mesh, input_sets, args) -> tuple[_Prepared, jax.A
   """Builds, compiles and warms up a variant; returns it and the last output of the warm-up."""
   t0 = time.perf_counter()
   timed = _Timed(variant, mesh, input_sets, args.iters, args.timing, chain_kind(args))
-  y = timed.run()
-  y.block_until_ready()
+  y = jax.block_until_ready(timed.run())
   compile_s = time.perf_counter() - t0
   for _ in range(max(0, math.ceil(args.warmup / timed.calls) - 1)):
     y = timed.run()
-  y.block_until_ready()
+  jax.block_until_ready(y)
   return _Prepared(timed, compile_s), y
 
 
@@ -72,8 +88,10 @@ def bench_row(row: Row, mesh: Mesh, variants: list[str], args, log=print) -> dic
   n_sets = input_set_count(row, args.rotate_mib)
   input_sets = make_inputs(row, mesh, n_sets, args.seed)
   applicable = [v for v in OP_VARIANTS[row.op] if v in variants and
-                (row.op != "gemm" or v in ROW_VARIANTS[row.of])]
+                (row.op != "gemm" or v in row_variants(row))]
   errors: dict[str, str] = {}
+  warnings: list[str] = []
+  references: dict = {}  # --op gemm: float32 reference results of this row
   prepared: dict[str, _Prepared] = {}
   rel_err: dict[str, float] = {}
   extra: dict[str, Any] = {}
@@ -120,7 +138,7 @@ def bench_row(row: Row, mesh: Mesh, variants: list[str], args, log=print) -> dic
       errors[name] = _error_text(e)
       continue
     if variant.reference is not None:  # --op gemm: against the product in float32
-      rel_err[name] = _reference_error(variant, prep.timed, y)
+      rel_err[name] = _reference_error(variant, prep.timed, y, input_sets, references)
     elif name == "xla":
       reference = y
     elif name in OUTPUT_VARIANTS:
@@ -135,7 +153,9 @@ def bench_row(row: Row, mesh: Mesh, variants: list[str], args, log=print) -> dic
       except Exception as e:  # noqa: BLE001
         extra["windowed_loop_in_hlo"] = None
         errors["windowed_hlo"] = _error_text(e)
-  del reference
+    if name in ("xla_fp8_fast", "xla_fp8_promoted"):
+      _check_fp8_gemm(name, prep.timed, extra, errors, warnings)
+  del reference, references
 
   samples: dict[str, list[float]] = {n: [] for n in prepared}
   order = list(prepared)
@@ -160,5 +180,23 @@ def bench_row(row: Row, mesh: Mesh, variants: list[str], args, log=print) -> dic
   else:
     record = summarize_row(row, variants, samples, errors, rel_err, calls, compile_s, n_sets)
   record.update(extra)
+  record["warnings"] = record["warnings"] + warnings
   del prepared, input_sets
   return record
+
+
+def _check_fp8_gemm(name: str, timed: _Timed, extra: dict, errors: dict, warnings: list) -> None:
+  """Records how XLA ran its FP8 variant (custom calls, a Triton GEMM fusion); on GPU, warns
+  when it is neither cuBLASLt's FP8 matmul nor a Triton GEMM: XLA then did not see the
+  dequantize -> dot as one FP8 GEMM, and the variant times something else."""
+  try:
+    targets, triton = _gemm_calls(timed)
+  except Exception as e:  # noqa: BLE001
+    errors[f"{name}_hlo"] = _error_text(e)
+    return
+  extra[f"{name}_custom_calls"] = targets
+  extra[f"{name}_triton_gemm"] = triton
+  if is_gpu() and not triton and not any("f8" in t.lower() for t in targets):
+    warnings.append(f"{name}: neither an FP8 cuBLASLt matmul nor a Triton GEMM among the "
+                    f"compiled program's calls {targets}; XLA did not rewrite the dequantize -> "
+                    "dot into one FP8 GEMM")

@@ -6,7 +6,8 @@ import pathlib
 
 import jax.numpy as jnp
 
-from jaxflux.bench.config import GEMM_AR_TABLE_M, GEMM_FAMILIES, GEMM_TABLE_M, repo_root
+from jaxflux.bench.config import (FP8_DTYPES, FP8_GEMM_FAMILIES, GEMM_AR_TABLE_M, GEMM_FAMILIES,
+                                  GEMM_TABLE_M, repo_root)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,7 +15,8 @@ class Row:
   """One benchmark row. M, K, N are the global GEMM shape y[M, N] = x[M, K] @ w[K, N]
   (for all_gather: the gathered array is [M, K] and N is unused, 0). For op "gemm", `of` names
   the fused op ("ag_gemm", "gemm_rs" or "gemm_ar") whose per-device GEMM at `tp` the row runs on
-  one device."""
+  one device. An FP8 `dtype` (op "gemm" only) is x's format: the weight is e4m3, given as its
+  transpose [N, K] (fp8_table.py)."""
   op: str
   name: str
   M: int
@@ -27,6 +29,10 @@ class Row:
   @property
   def itemsize(self) -> int:
     return jnp.dtype(self.dtype).itemsize
+
+  @property
+  def fp8(self) -> bool:
+    return self.dtype in FP8_DTYPES
 
   @property
   def flops_per_device(self) -> int:
@@ -42,6 +48,13 @@ class Row:
 
   @property
   def per_device_shapes(self) -> dict:
+    shapes = self._per_device_shapes()
+    if self.fp8:  # the weight given transposed, [N, K]
+      shapes = {("wt" if key == "w" else key): (value[::-1] if key == "w" else value)
+                for key, value in shapes.items()}
+    return shapes
+
+  def _per_device_shapes(self) -> dict:
     m, k, n = self.M // self.tp, self.K // self.tp, self.N // self.tp
     if self.op == "gemm" and self.of == "ag_gemm":
       return {"x": [self.M, self.K], "w": [self.K, n], "out": [self.M, n]}
@@ -129,7 +142,11 @@ def build_rows(args, shapes: dict, tp: int) -> list[Row]:
 def _gemm_rows(args, shapes: dict, tp: int) -> list[Row]:
   """--op gemm: every ag_gemm, gemm_rs and gemm_ar shape (gemm_ar: the gemm_rs shapes) at each M,
   as one device runs it at `tp`; --of picks families."""
-  families = getattr(args, "of", None) or GEMM_FAMILIES
+  fp8 = args.dtype in FP8_DTYPES
+  families = getattr(args, "of", None) or (FP8_GEMM_FAMILIES if fp8 else GEMM_FAMILIES)
+  if fp8 and not set(families) <= set(FP8_GEMM_FAMILIES):
+    raise ValueError(f"--of {','.join(families)}: the FP8 table has the families "
+                     f"{FP8_GEMM_FAMILIES} (GEMM+AllReduce takes no FP8 operands)")
   tables = {of: shapes.get("gemm_rs" if of == "gemm_ar" else of, []) for of in families}
   if args.shapes:
     known = {s["name"] for t in tables.values() for s in t}

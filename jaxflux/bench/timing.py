@@ -45,7 +45,8 @@ def _chain(fn: Callable, sets: list[tuple], n_outer: int, chain: str, eps,
       first, _ = lax.optimization_barrier((first, y))
       return (first,) + tuple(args[1:])
     corner = (0,) * first.ndim
-    nudge = (eps * y[(0,) * y.ndim]).astype(first.dtype)
+    out = jax.tree.leaves(y)[0]  # a variant may return several arrays (the quantizing pass)
+    nudge = (eps * out[(0,) * out.ndim].astype(eps.dtype)).astype(first.dtype)
     first = lax.dynamic_update_slice(first, first[tuple(slice(0, 1) for _ in corner)] + nudge,
                                      corner)
     return (first,) + tuple(args[1:])
@@ -135,15 +136,16 @@ class _Timed:
     else:
       raise ValueError(f"--timing {mode!r}: use 'loop', 'dispatch' or 'device'")
 
-  def run(self) -> jax.Array:
-    """Queues one timed run and returns its last output (not waited for)."""
+  def run(self):
+    """Queues one timed run and returns its last output, an array or a tuple of arrays (not
+    waited for)."""
     if self.mode == "loop":
       return self._program(*self._flat)
     y = None
     for c in range(self.calls):
       y = self._program(*self.args[c % len(self.args)])
       if self.sync_each:
-        y.block_until_ready()
+        jax.block_until_ready(y)
     return y
 
   def time_ms(self) -> float:
@@ -151,7 +153,7 @@ class _Timed:
     if self.clock is not None:
       return processes.max_over_processes(self._device_time_ms())
     t0 = time.perf_counter()
-    self.run().block_until_ready()
+    jax.block_until_ready(self.run())
     return processes.max_over_processes((time.perf_counter() - t0) * 1e3 / self.calls)
 
   def _device_time_ms(self) -> float:

@@ -28,6 +28,10 @@ class Variant:
   gspmd_out_spec: P | None = None  # set for global (GSPMD) programs
   note: str | None = None
   reference: Callable | None = None  # --op gemm: the same product by XLA in float32
+  # --op gemm: the inputs `reference` takes (default: the variant's own), and a function of its
+  # result giving this variant's expected output; variants that share both share one result.
+  reference_inputs: tuple[str, ...] | None = None
+  reference_view: Callable | None = None
 
 
 class Unavailable(Exception):
@@ -56,6 +60,8 @@ def make_variant(name: str, row: Row) -> Variant:
     spec = gemm_table.variant_spec(name, row)
     if isinstance(spec, str):
       raise Unavailable(spec)
+    if isinstance(spec, dict):  # an FP8 row's variant (fp8_table.py)
+      return Variant(name, **spec)
     fn, inputs, reference = spec
     return Variant(name, fn, inputs, reference=reference)
   if op == "all_gather":
