@@ -23,7 +23,7 @@ constexpr bool IsFp8(GemmDtype dtype) {
 
 // The fused FP8 kernels accumulate in wgmma's own accumulator ("fast accumulation"): its error
 // stayed within 3x the bf16 output's rounding on every benchmark shape, while promoting to fp32
-// registers every 4 k-blocks took 3.4x the time with 128x256 tiles (docs/design.md, "FP8").
+// registers every 4 k-blocks took 3.0-3.3x the time with 128x256 tiles (docs/design.md, "FP8").
 inline constexpr bool kFp8FastAccum = true;
 
 struct GemmProblem {
