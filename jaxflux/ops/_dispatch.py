@@ -61,6 +61,6 @@ def _resolve_fp8(op: str, impl: str, x, w, preferred_element_type, axis_name: st
                                                   transpose_w))
   if reason is not None:
     raise _common.FusedKernelUnavailableError(
-        f"{op}(impl='fused') with FP8 operands: {reason} impl='xla' (or 'auto', which takes XLA "
-        "for FP8) runs the float32 reference.")
+        f"{op}(impl='fused') with FP8 operands: {reason} Use impl='xla' (or 'auto', which takes "
+        "XLA for FP8) to run XLA's FP8 dot instead.")
   return "fused"

@@ -1,5 +1,5 @@
 """FP8 operands of all_gather_matmul and matmul_reduce_scatter: the dtype and scale checks, the
-scales' normalization to rows and columns, the float32 reference math, and the forward-only
+scales' normalization to rows and columns, the reference (XLA) math, and the forward-only
 custom_vjp around both.
 
 An FP8 call multiplies `x.astype(f32) * x_scale` by `w.astype(f32) * w_scale`. The scales are
