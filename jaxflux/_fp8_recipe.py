@@ -133,9 +133,13 @@ def _fp8_bwd(config, residuals, dy):
   else:
     dx = _scaled_dot(q_g, q_k, g_scale * k_scale, contract=(q_g.ndim - 1, 1), dtype=comp)
     g_rows = q_g
-  dw = _weight_grad(x_saved, g_rows, x_scale * g_scale, dtype=comp)
-  dx = _sum_over_broadcast(dx, config.x_vma)
-  dw = _sum_over_broadcast(dw, config.kernel_vma)
+  # dW: a local FP8 dot of the saved (gathered) input and the gradient's rows, in float32.
+  dw = (_common.weight_grad(x_saved, g_rows, precision=None, dtype=jnp.float32)
+        * (x_scale * g_scale)).astype(comp)
+  # Summed over the axes the computation broadcast x and the kernel along (a replicated
+  # operand's implicit pvary).
+  dx = _common.sum_to_vma(dx, config.x_vma)
+  dw = _common.sum_to_vma(dw, config.kernel_vma)
   return dx, dw, s_x, s_k, s_g, h_x, h_k, h_g
 
 
@@ -199,19 +203,3 @@ def _scaled_dot(a8, b8, scale, *, contract, dtype):
   out = lax.dot_general(a8, b8, (((contract[0],), (contract[1],)), ((), ())),
                         preferred_element_type=jnp.float32)
   return (out * scale).astype(dtype)
-
-
-def _weight_grad(lhs8, rows8, scale, *, dtype):
-  """Σ over leading axes and rows of lhs8ᵀ·rows8 (lhs8 [..., r, K], rows8 [..., r, N] ->
-  [K, N]) * scale: the local FP8 dot for dW."""
-  lead = tuple(range(lhs8.ndim - 1))
-  out = lax.dot_general(lhs8, rows8, ((lead, lead), ((), ())),
-                        preferred_element_type=jnp.float32)
-  return (out * scale).astype(dtype)
-
-
-def _sum_over_broadcast(ct, primal_vma: frozenset):
-  """A cotangent summed over the mesh axes along which it varies but its primal did not: the
-  transpose of the implicit broadcast (pvary) of a replicated operand."""
-  extra = tuple(sorted(_common.vma(ct) - primal_vma))
-  return lax.psum(ct, extra) if extra else ct

@@ -54,3 +54,24 @@ def bench_shapes(op: str) -> list:
       return [pytest.param(M, s["K"], s["N"], id=f"{s['name']}-M{M}") for s in shapes
               for M in (1024, 8192)]
   return []
+
+
+def check_back_to_back(f, make, calls: int = 200, every: int = 17) -> None:
+  """Calls f on `calls` fresh operand pairs make(i), back to back with no host sync between
+  them, then checks every `every`-th result against the float32 reference (bf16 operands)."""
+  inputs, outs = [], []
+  for i in range(calls):
+    x, w = make(jnp.int32(i))
+    inputs.append((x, w))
+    outs.append(f(x, w))
+  for (x, w), y in zip(inputs[::every], outs[::every]):
+    assert rel_err(y, reference(x, w)) <= TOL[jnp.bfloat16]
+
+
+def check_matmul_grads(dx, dw, x, w, ct) -> None:
+  """dX, dW of sum((x @ w) * ct), whatever the op then does with the product's rows, against
+  float32 matmuls of the same bf16 operands."""
+  dx_ref = jnp.matmul(ct, w.astype(jnp.float32).T, precision=lax.Precision.HIGHEST)
+  dw_ref = jnp.matmul(x.astype(jnp.float32).T, ct, precision=lax.Precision.HIGHEST)
+  assert rel_err(dx, dx_ref) <= TOL[jnp.bfloat16]
+  assert rel_err(dw, dw_ref) <= TOL[jnp.bfloat16]

@@ -16,7 +16,8 @@ import hlo_util
 from jaxflux import _runtime, tuning
 from jaxflux.ops import _fused
 from jaxflux.ops.gemm import gemm
-from gpu_util import TOL, bench_shapes, gpu_mesh, operands, reference, rel_err
+from gpu_util import (TOL, bench_shapes, check_back_to_back, check_matmul_grads, gpu_mesh,
+                      operands, reference, rel_err)
 
 pytestmark = pytest.mark.gpu
 
@@ -98,13 +99,7 @@ def test_back_to_back_calls_with_fresh_data_and_no_host_sync():
   tp = mesh.shape["tp"]
   f = _fused_fn(mesh, 2)
   make = jax.jit(lambda i: operands(i, (tp * 1024, 512), (512, 256 * tp), jnp.bfloat16))
-  inputs, outs = [], []
-  for i in range(200):
-    x, w = make(jnp.int32(i))
-    inputs.append((x, w))
-    outs.append(f(x, w))
-  for (x, w), y in zip(inputs[::17], outs[::17]):
-    assert rel_err(y, reference(x, w)) <= TOL[jnp.bfloat16]
+  check_back_to_back(f, make)
 
 
 def test_mixed_with_xla_collectives_and_in_fori_loop():
@@ -156,10 +151,7 @@ def test_gradients_match_xla_path():
 
   dx, dw = loss("fused")(x, w)
   # Independent float32 reference of the same gradients.
-  dx_ref = jnp.matmul(ct, w.astype(jnp.float32).T, precision=lax.Precision.HIGHEST)
-  dw_ref = jnp.matmul(x.astype(jnp.float32).T, ct, precision=lax.Precision.HIGHEST)
-  assert rel_err(dx, dx_ref) <= TOL[jnp.bfloat16]
-  assert rel_err(dw, dw_ref) <= TOL[jnp.bfloat16]
+  check_matmul_grads(dx, dw, x, w, ct)
 
 
 def test_compiled_hlo_has_the_custom_call_and_no_all_gather():

@@ -17,7 +17,8 @@ import jaxflux
 import hlo_util
 from jaxflux import _runtime, tuning
 from jaxflux.ops import _common, _fused
-from gpu_util import ROOT, TOL, gpu_mesh, operands, reference, rel_err
+from gpu_util import (ROOT, TOL, check_back_to_back, check_matmul_grads, gpu_mesh, operands,
+                      reference, rel_err)
 
 pytestmark = pytest.mark.gpu
 TARGET = "jaxflux_matmul_all_reduce"
@@ -120,13 +121,7 @@ def test_back_to_back_calls_with_fresh_data_and_no_host_sync():
   f = jax.jit(jax.shard_map(lambda x, w: jaxflux.matmul_all_reduce(x, w, "tp", impl="fused"),
                             mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P()))
   make = jax.jit(lambda i: operands(i, (512, 256 * tp), (256 * tp, 512), jnp.bfloat16))
-  inputs, outs = [], []
-  for i in range(200):
-    x, w = make(jnp.int32(i))
-    inputs.append((x, w))
-    outs.append(f(x, w))
-  for (x, w), y in zip(inputs[::17], outs[::17]):
-    assert rel_err(y, reference(x, w)) <= TOL[jnp.bfloat16]
+  check_back_to_back(f, make)
 
 
 def test_scan_decode_loop():
@@ -163,10 +158,7 @@ def test_gradients_match_float32_reference():
                     mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P())
   dx, dw = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * ct),
                             argnums=(0, 1)))(x, w)
-  dx_ref = jnp.matmul(ct, w.astype(jnp.float32).T, precision=lax.Precision.HIGHEST)
-  dw_ref = jnp.matmul(x.astype(jnp.float32).T, ct, precision=lax.Precision.HIGHEST)
-  assert rel_err(dx, dx_ref) <= TOL[jnp.bfloat16]
-  assert rel_err(dw, dw_ref) <= TOL[jnp.bfloat16]
+  check_matmul_grads(dx, dw, x, w, ct)
 
 
 def test_compiled_hlo_has_the_custom_call_and_no_all_reduce():

@@ -15,7 +15,8 @@ import jaxflux
 import hlo_util
 from jaxflux import _runtime, tuning
 from jaxflux.ops import _fused
-from gpu_util import TOL, bench_shapes, gpu_mesh, operands, reference, rel_err
+from gpu_util import (TOL, bench_shapes, check_back_to_back, check_matmul_grads, gpu_mesh,
+                      operands, reference, rel_err)
 
 pytestmark = pytest.mark.gpu
 
@@ -142,13 +143,7 @@ def test_back_to_back_calls_with_fresh_data_and_no_host_sync():
   tp = mesh.shape["tp"]
   f = _rs_fn(mesh, 2)
   make = jax.jit(lambda i: operands(i, (tp * 512, 256 * tp), (256 * tp, 512), jnp.bfloat16))
-  inputs, outs = [], []
-  for i in range(200):
-    x, w = make(jnp.int32(i))
-    inputs.append((x, w))
-    outs.append(f(x, w))
-  for (x, w), z in zip(inputs[::17], outs[::17]):
-    assert rel_err(z, reference(x, w)) <= TOL[jnp.bfloat16]
+  check_back_to_back(f, make)
 
 
 def test_mixed_with_xla_collectives_and_in_fori_loop():
@@ -195,10 +190,7 @@ def test_gradients_match_float32_reference():
   f = _rs_fn(mesh, 2)
   dx, dw = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * ct),
                             argnums=(0, 1)))(x, w)
-  dx_ref = jnp.matmul(ct, w.astype(jnp.float32).T, precision=lax.Precision.HIGHEST)
-  dw_ref = jnp.matmul(x.astype(jnp.float32).T, ct, precision=lax.Precision.HIGHEST)
-  assert rel_err(dx, dx_ref) <= TOL[jnp.bfloat16]
-  assert rel_err(dw, dw_ref) <= TOL[jnp.bfloat16]
+  check_matmul_grads(dx, dw, x, w, ct)
 
 
 def test_compiled_hlo_has_the_custom_call_and_no_reduce_scatter():

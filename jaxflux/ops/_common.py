@@ -103,8 +103,11 @@ def weight_for_checks(w, transpose_w: bool):
   return jax.ShapeDtypeStruct(w.shape[::-1], w.dtype) if transpose_w else w
 
 
-def weight_grad(lhs, dout, *, precision, dtype):
-  """Sum over all leading axes and rows of lhsᵀ·dout: lhs [..., r, K], dout [..., r, N] → [K, N]."""
+def weight_grad(lhs, dout, *, precision, dtype, transpose_w: bool = False):
+  """Sum over all leading axes and rows of lhsᵀ·dout: lhs [..., r, K], dout [..., r, N] → [K, N];
+  with transpose_w, laid out like a weight given transposed: [N, K]."""
+  if transpose_w:
+    lhs, dout = dout, lhs
   lead = tuple(range(lhs.ndim - 1))
   # Accumulated in float32 at least (float64 stays float64: the reference path's precision).
   dw = lax.dot_general(lhs, dout, ((lead, lead), ((), ())), precision=precision,
@@ -119,7 +122,13 @@ def match_vma(ct, primal):
   broadcast (pvary); the transpose of that broadcast is a psum, which a custom_vjp must apply
   itself so the cotangent has the primal's type.
   """
-  extra = tuple(sorted(vma(ct) - vma(primal)))
+  return sum_to_vma(ct, vma(primal))
+
+
+def sum_to_vma(ct, axes: frozenset):
+  """`ct` summed over the mesh axes along which it varies outside `axes` (match_vma for a
+  primal known only by its vma)."""
+  extra = tuple(sorted(vma(ct) - axes))
   return lax.psum(ct, extra) if extra else ct
 
 

@@ -98,8 +98,8 @@ def _ag_bwd(axis_name, return_gathered, impl, resolved, preferred_element_type, 
     dx = dx + lax.psum_scatter(dx_full, axis_name, scatter_dimension=x.ndim - 2,
                                tiled=True).astype(x.dtype)
   # dW_eff = x_fullᵀ · dy; w holds its transpose when transpose_w.
-  dw = (_common.weight_grad(dy, x_full, precision=precision, dtype=w.dtype) if transpose_w
-        else _common.weight_grad(x_full, dy, precision=precision, dtype=w.dtype))
+  dw = _common.weight_grad(x_full, dy, precision=precision, dtype=w.dtype,
+                           transpose_w=transpose_w)
   return _common.match_vma(dx, x), _common.match_vma(dw, w)
 
 
@@ -139,8 +139,8 @@ def _rs_bwd(axis_name, impl, resolved, preferred_element_type, precision, transp
   dx, dz_full = all_gather_matmul(dz, w, axis_name, True, impl, x.dtype, precision,
                                   transpose_w=not transpose_w)
   # dW_eff = xᵀ · dz_full; w holds its transpose when transpose_w.
-  dw = (_common.weight_grad(dz_full, x, precision=precision, dtype=w.dtype) if transpose_w
-        else _common.weight_grad(x, dz_full, precision=precision, dtype=w.dtype))
+  dw = _common.weight_grad(x, dz_full, precision=precision, dtype=w.dtype,
+                           transpose_w=transpose_w)
   return _common.match_vma(dx, x), _common.match_vma(dw, w)
 
 
@@ -192,8 +192,7 @@ def _ar_bwd(axis_name, resolved, preferred_element_type, precision, transpose_w,
   dx = _common.matmul(dy, w, precision=precision, preferred_element_type=None,
                       transpose_w=not transpose_w).astype(x.dtype)
   # dW_eff = xᵀ · dY; w holds its transpose when transpose_w.
-  dw = (_common.weight_grad(dy, x, precision=precision, dtype=w.dtype) if transpose_w
-        else _common.weight_grad(x, dy, precision=precision, dtype=w.dtype))
+  dw = _common.weight_grad(x, dy, precision=precision, dtype=w.dtype, transpose_w=transpose_w)
   return _common.match_vma(dx, x), _common.match_vma(dw, w)
 
 

@@ -33,6 +33,7 @@
 #include "xla_ffi/ffi/matmul_operands.h"
 #include "xla_ffi/ffi/push_plan.h"
 #include "xla_ffi/ffi/scratch.h"
+#include "xla_ffi/ffi/wait_reduce_setup.h"
 #include "xla_ffi/kernels/gemm_sm90.h"
 #include "xla_ffi/kernels/reduce_kernels.h"
 #include "xla_ffi/runtime/runtime.h"
@@ -153,22 +154,11 @@ ffi::Error GemmAr(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     }
   }
 
-  WaitReduceParams params{};
-  params.tp = static_cast<int32_t>(tp);
-  for (int r = 0; r < tp; ++r) {
-    params.partials[r] = recv(rank, r);
-    params.flags[r] = r == rank ? nullptr : call.FlagFrom(r);
-  }
-  params.target = flag_value + static_cast<uint64_t>(chunks.count - 1);  // the last chunk's
-  params.out = out->untyped_data();
-  params.count = s.batch * s.rows * s.n;
-  params.dtype = s.dtype == GemmDtype::kF16 ? ReduceDtype::kF16 : ReduceDtype::kBF16;
-  params.timeout_ns = TimeoutNs();
-  params.epoch = epoch;
-  params.device = ordinal;
-  params.rank = rank;
-  params.op = static_cast<int32_t>(OpCode::kMatmulAllReduce);
-  params.error = DeviceErrorRecordPtr();
+  // The last chunk's flag says the whole partial has landed.
+  const WaitReduceParams params = WaitReduceOfThisCall(
+      call, [&](int r) { return recv(rank, r); },
+      flag_value + static_cast<uint64_t>(chunks.count - 1), out->untyped_data(),
+      s.batch * s.rows * s.n, s.dtype, OpCode::kMatmulAllReduce);
   JAXFLUX_CUDA(LaunchWaitReduce(params, 2 * std::max(res->sm_count, 1), stream));
   JAXFLUX_RETURN_IF_ERROR(call.JoinSide());
   return call.Finish([&] {

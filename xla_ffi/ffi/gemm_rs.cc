@@ -40,6 +40,7 @@
 #include "xla_ffi/ffi/push_plan.h"
 #include "xla_ffi/ffi/scratch.h"
 #include "xla_ffi/ffi/tile_wait_setup.h"
+#include "xla_ffi/ffi/wait_reduce_setup.h"
 #include "xla_ffi/kernels/gemm_sm90.h"
 #include "xla_ffi/kernels/reduce_kernels.h"
 #include "xla_ffi/kernels/rs_gemm_sm90.h"
@@ -244,22 +245,9 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   }
 
   if (!epilogue_reduce) {
-    WaitReduceParams params{};
-    params.tp = static_cast<int32_t>(tp);
-    for (int r = 0; r < tp; ++r) {
-      params.partials[r] = recv(rank, r);
-      params.flags[r] = r == rank ? nullptr : call.FlagFrom(r);
-    }
-    params.target = flag_value;
-    params.out = z->untyped_data();
-    params.count = s.batch * s.m * s.n;
-    params.dtype = s.dtype == GemmDtype::kF16 ? ReduceDtype::kF16 : ReduceDtype::kBF16;
-    params.timeout_ns = TimeoutNs();
-    params.epoch = epoch;
-    params.device = ordinal;
-    params.rank = rank;
-    params.op = static_cast<int32_t>(OpCode::kMatmulReduceScatter);
-    params.error = DeviceErrorRecordPtr();
+    const WaitReduceParams params = WaitReduceOfThisCall(
+        call, [&](int r) { return recv(rank, r); }, flag_value, z->untyped_data(),
+        s.batch * s.m * s.n, s.dtype, OpCode::kMatmulReduceScatter);
     JAXFLUX_CUDA(LaunchWaitReduce(params, 2 * std::max(res->sm_count, 1), stream));
   }
   JAXFLUX_RETURN_IF_ERROR(call.JoinSide());
