@@ -136,10 +136,10 @@ def _fp8_bwd(config, residuals, dy):
   # dW: a local FP8 dot of the saved (gathered) input and the gradient's rows, in float32.
   dw = (_common.weight_grad(x_saved, g_rows, precision=None, dtype=jnp.float32)
         * (x_scale * g_scale)).astype(comp)
-  # Summed over the axes the computation broadcast x and the kernel along (a replicated
-  # operand's implicit pvary).
-  dx = _common.sum_to_vma(dx, config.x_vma)
-  dw = _common.sum_to_vma(dw, config.kernel_vma)
+  # Typed like x and the kernel: summed over the axes the computation broadcast them along (a
+  # replicated operand's implicit pvary), marked varying where the ops' results were not.
+  dx = _common.cast_to_vma(dx, config.x_vma)
+  dw = _common.cast_to_vma(dw, config.kernel_vma)
   return dx, dw, s_x, s_k, s_g, h_x, h_k, h_g
 
 

@@ -32,6 +32,21 @@ def pytest_configure(config):
     pytest.exit(f"expected 8 devices, found {len(jax.devices())}: {jax.devices()}", returncode=1)
 
 
+@pytest.fixture
+def fake_hopper(monkeypatch):
+  """Tracing as if a CUDA build and one 132-SM Hopper GPU per device were present: the platform
+  check passes and the FFI targets are named, never registered or lowered, so tests can read
+  the fused path's jaxprs on any machine."""
+  from jaxflux import _runtime
+  from jaxflux.ops import _platform
+
+  monkeypatch.setattr(_platform, "platform_reason", lambda axis_name=None: None)
+  monkeypatch.setattr(_runtime, "ensure_workspace", lambda nbytes: 0)
+  monkeypatch.setattr(_runtime, "target_name", lambda op: f"jaxflux_{op}")
+  monkeypatch.setattr(_runtime, "register_targets", lambda: None)
+  monkeypatch.setattr(_runtime, "sm_count", lambda: 132)
+
+
 def make_mesh(shape, names, devices=None) -> Mesh:
   """A mesh with Auto axes (shard_map then reshards unsharded inputs as needed)."""
   devices = jax.devices() if devices is None else devices

@@ -15,7 +15,6 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxflux
-from jaxflux.ops import _differentiable
 from conftest import make_mesh
 from hlo_util import count_collectives
 
@@ -139,8 +138,8 @@ def test_weight_given_transposed_values_and_grads():
   tp = 2
   mesh = make_mesh((tp,), ("tp",))
   x, w, r = rand(10, (2, 6, tp * 8)), rand(11, (tp * 8, 12)), rand(12, (2, 6, 12))
-  body = lambda x, wt: _differentiable.matmul_all_reduce(  # noqa: E731
-      x, wt, "tp", "xla", None, None, transpose_w=True)
+  body = lambda x, wt: jaxflux.matmul_all_reduce(x, wt, "tp", impl="xla",  # noqa: E731
+                                                 transpose_w=True)
   f = ar_fn(mesh, 1, body=body, w_spec=P(None, "tp"))
   wt = np.ascontiguousarray(w.T)
   np.testing.assert_allclose(f(x, wt), f64(x) @ f64(w), rtol=1e-5, atol=1e-4)

@@ -1,9 +1,12 @@
-"""Forward-mode differentiation of the ops: refused with a message that says so.
+"""Forward-mode differentiation of the ops: refused with a message that says so, by all three.
 
 The ops are custom_vjps, which JAX differentiates in reverse mode only. Under jit JAX raises its
 own forward-mode error; under an eager shard_map its error path failed first with an unrelated
-`unhashable type` TypeError, so jaxflux checks before binding. Reverse mode must keep working
-eagerly, also with JAX's older jvp-then-partial-eval linearization, which passes jvp tracers too.
+`unhashable type` TypeError, so jaxflux checks before binding. Forward over reverse (jax.hessian)
+reaches the ops' fwd rules with jvp tracers; it once ran through matmul_all_reduce's reference
+path and failed deep inside all_gather_matmul's backward, so each fwd rule checks too. Reverse
+mode must keep working eagerly, also with JAX's older jvp-then-partial-eval linearization, which
+passes jvp tracers too, and to second order (jax.jacrev of jax.jacrev).
 """
 from __future__ import annotations
 
@@ -30,6 +33,10 @@ OPS = {
     "matmul_reduce_scatter": (
         lambda x, w: jaxflux.matmul_reduce_scatter(x, w, "tp"),
         (2, 32, 24), (24, 16), (P(None, None, "tp"), P("tp")), P(None, "tp"),
+        lambda x, w: x @ w),
+    "matmul_all_reduce": (
+        lambda x, w: jaxflux.matmul_all_reduce(x, w, "tp"),
+        (2, 32, 24), (24, 16), (P(None, None, "tp"), P("tp")), P(),
         lambda x, w: x @ w),
 }
 
@@ -69,6 +76,24 @@ def test_jacfwd_is_refused_and_jacrev_matches_the_reference():
     jax.jacfwd(lambda w: f(x, w).sum())(w)
   got = jax.jacrev(lambda w: jnp.tanh(f(x, w)).sum())(w)
   want = jax.jacrev(lambda w: jnp.tanh(reference(x, w)).sum())(w)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_hessian_names_the_op_and_second_order_reverse_matches(name):
+  """jax.hessian (jacfwd of jacrev) is refused with the op's name, eager or jitted; jacrev of
+  jacrev, the reverse-mode second derivative, matches the reference."""
+  f, reference, x, w = _case(name)
+  w = w[:, :4]  # a small Hessian: 4 columns, one per device for the column-sharded weight
+  op = name.split("(")[0]
+  loss = lambda matmul: (lambda w: jnp.sum(jnp.sin(matmul(x, w))))  # noqa: E731
+  for wrap in (lambda g: g, jax.jit):
+    with pytest.raises(TypeError, match=rf"jaxflux\.{op}: can't apply forward-mode autodiff.*"
+                                        r"jax\.jacrev\(jax\.jacrev\(f\)\)"):
+      wrap(jax.hessian(loss(f)))(w)
+  got = jax.jit(jax.jacrev(jax.jacrev(loss(f))))(w)
+  want = jax.jacrev(jax.jacrev(loss(reference)))(w)
+  assert float(jnp.abs(want).max()) > 0
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 

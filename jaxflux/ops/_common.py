@@ -1,9 +1,5 @@
-"""Shared pieces of the ops: argument checks, shard_map typing (vma) helpers and the reference
-matmul helpers of the XLA path and the backward. Imports no op module.
-
-Every check runs at trace time and raises ValueError/TypeError naming the argument, the shapes
-seen and the fix, so mistakes surface where the user wrote them, not inside XLA.
-"""
+"""Shared pieces of the ops: dtype facts, shard_map typing (vma) helpers and the reference
+matmul helpers of the XLA path and the backward. Imports no op module."""
 from __future__ import annotations
 
 import jax
@@ -31,57 +27,6 @@ def is_narrow_float(dtype) -> bool:
 
 class FusedKernelUnavailableError(RuntimeError):
   """impl="fused" was requested where no fused kernel can run (never a silent fallback)."""
-
-
-def check_impl(op: str, impl: str) -> None:
-  if impl not in IMPLS:
-    raise ValueError(f"{op}: impl={impl!r} is not one of {IMPLS}. Use 'auto' to let jaxflux pick, "
-                     "'fused' to require the fused GPU kernel, or 'xla' for the pure-JAX reference.")
-
-
-def check_operands(op: str, x, w, *, transpose_w: bool = False) -> None:
-  """Rank, contraction size and dtype kind of x [..., rows, K] and w [K, N] (w [N, K] with
-  transpose_w)."""
-  if jnp.ndim(x) < 2:
-    raise ValueError(f"{op}: x must have rank >= 2 ([..., tokens, K]); got shape {jnp.shape(x)}. "
-                     "Add a token axis, e.g. x[None, :].")
-  layout = "[N, K]" if transpose_w else "[K, N]"
-  if jnp.ndim(w) != 2:
-    raise ValueError(f"{op}: w must have rank 2 ({layout}); got shape {jnp.shape(w)}. Reshape the "
-                     "weight to " + ("[out_features, in_features] (transpose_w=True)."
-                                     if transpose_w else "[in_features, out_features]."))
-  w_k = w.shape[1] if transpose_w else w.shape[0]
-  if x.shape[-1] != w_k:
-    seen = f"w.shape={w.shape}, transpose_w=True" if transpose_w else f"w.shape={w.shape}"
-    fix = ("With transpose_w=True w is [N, K]; pass transpose_w=False if it is stored [K, N]."
-           if transpose_w else "Pass w as [K, N] (transpose it if it is stored [N, K]).")
-    raise ValueError(f"{op}: contraction sizes differ: x has K={x.shape[-1]} (x.shape={x.shape}) "
-                     f"but w has K={w_k} ({seen}). {fix}")
-  for name, a in (("x", x), ("w", w)):
-    if not jnp.issubdtype(a.dtype, jnp.inexact):
-      raise TypeError(f"{op}: {name} must be a floating-point array; got dtype {a.dtype}. "
-                      f"Cast it, e.g. {name}.astype(jnp.bfloat16).")
-
-
-def check_static_bool(op: str, name: str, value) -> bool:
-  """A static flag (it picks the traced program): a Python bool, not an array."""
-  if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{op}: {name} must be a Python bool (a static choice of layout or outputs); "
-                    f"got {value!r} of type {type(value).__name__}. Pass True or False.")
-  return bool(value)
-
-
-def axis_size(op: str, axis_name) -> int:
-  """Size of the named mesh axis, with a helpful error when it is not bound."""
-  if not isinstance(axis_name, str):
-    raise TypeError(f"{op}: axis_name must be a single mesh axis name (str); got {axis_name!r}.")
-  try:
-    return lax.axis_size(axis_name)
-  except NameError as e:
-    raise ValueError(
-        f"{op}: unknown axis_name={axis_name!r}: it is not a manual axis here. Call {op} inside "
-        f"jax.shard_map over a mesh that has an axis named {axis_name!r} (or pass the name of "
-        "your tensor-parallel axis).") from e
 
 
 def result_dtype(x, w, preferred_element_type):
@@ -116,20 +61,24 @@ def weight_grad(lhs, dout, *, precision, dtype, transpose_w: bool = False):
 
 
 def match_vma(ct, primal):
-  """Sums a cotangent over mesh axes along which its primal was not varying.
+  """`ct` typed exactly like its primal's varying mesh axes: a custom_vjp's cotangent must be.
 
   Inside shard_map a replicated (unvarying) operand used with varying data is implicitly
   broadcast (pvary); the transpose of that broadcast is a psum, which a custom_vjp must apply
-  itself so the cotangent has the primal's type.
+  itself. A cotangent that varies along fewer axes than its primal (a GEMM-only FFI result
+  comes back unvarying) is the same on every device of those axes, and is typed so.
   """
-  return sum_to_vma(ct, vma(primal))
+  return cast_to_vma(ct, vma(primal))
 
 
-def sum_to_vma(ct, axes: frozenset):
-  """`ct` summed over the mesh axes along which it varies outside `axes` (match_vma for a
-  primal known only by its vma)."""
+def cast_to_vma(ct, axes: frozenset):
+  """`ct` summed over the mesh axes along which it varies outside `axes`, and marked varying
+  along the axes of `axes` it does not vary along (match_vma for a primal known only by its
+  vma)."""
   extra = tuple(sorted(vma(ct) - axes))
-  return lax.psum(ct, extra) if extra else ct
+  if extra:
+    ct = lax.psum(ct, extra)
+  return mark_varying(ct, axes)
 
 
 def mark_varying(a, axes):
@@ -150,8 +99,3 @@ def vma(a) -> frozenset:
     return frozenset(aval.vma)
   manual = getattr(aval, "manual_axis_type", None)  # jax 0.10: ManualAxisType(varying=...)
   return frozenset(getattr(manual, "varying", ()) or ())
-
-
-def static_dtype(dtype):
-  """Hashable form of preferred_element_type for nondiff args."""
-  return None if dtype is None else np.dtype(dtype)

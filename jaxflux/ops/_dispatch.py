@@ -2,41 +2,39 @@
 resolved once per call at trace time. "fused" raises where no fused kernel can run (never a
 silent fallback); "auto" takes the fused kernel only where it can run and an AUTO_RULES rule of
 the tuning table says it was measured ahead of XLA. FP8 calls have no auto rule (no two-GPU
-timing of the FP8 kernels exists): "auto" takes XLA, "fused" the FP8 kernel or an error."""
-from __future__ import annotations
+timing of the FP8 kernels exists): "auto" takes XLA, "fused" the FP8 kernel or an error.
 
-from jax import lax
+At tp=1 nothing is communicated: the fused call is the op's GEMM alone, so only the platform
+(not the mesh's other axes or processes) and the operands decide."""
+from __future__ import annotations
 
 from jaxflux import tuning
 from jaxflux.ops import _common, _platform
 
 
-def resolve(op: str, impl: str, x, w, preferred_element_type, axis_name: str,
-            transpose_w: bool = False) -> str:
-  """"fused" or "xla" for `op` on per-device x, w inside shard_map over `axis_name`. With
-  transpose_w, w is given as [N, K] and the rules see the [K, N] it stands for."""
-  _common.check_impl(op, impl)
+def resolve(op: str, impl: str, x, w, *, out_dtype, tp: int, axis_name: str,
+            transpose_w: bool, fp8: bool) -> str:
+  """"fused" or "xla" for `op` on checked per-device x, w inside shard_map over `axis_name`
+  (size tp), writing `out_dtype`. With transpose_w, w is given as [N, K]."""
   if impl == "xla":
     return "xla"
-  if _common.is_fp8(x.dtype) or _common.is_fp8(w.dtype):
-    return _resolve_fp8(op, impl, x, w, preferred_element_type, axis_name, transpose_w)
-  tp = lax.axis_size(axis_name)
+  if fp8:
+    return _resolve_fp8(op, impl, x, w, out_dtype, tp, axis_name, transpose_w)
   w = _common.weight_for_checks(w, transpose_w)
   dtype_error = _platform.fused_dtype_error(op, x, w)
-  if impl == "fused":
-    if dtype_error is not None:
+  if dtype_error is not None:
+    if impl == "fused":
       raise TypeError(dtype_error)
-    reason = _platform.fused_unsupported_reason(x, w, preferred_element_type, tp, axis_name)
-    if reason is not None:
+    return "xla"
+  reason = (_platform.platform_reason(axis_name if tp > 1 else None)
+            or _platform.fused_operand_reason(x, w, out_dtype, tp))
+  if reason is not None:
+    if impl == "fused":
       raise _common.FusedKernelUnavailableError(
           f"{op}(impl='fused'): {reason} Use impl='auto' to fall back to XLA where the fused "
           "kernel cannot run.")
-    return "fused"
-  if (dtype_error is not None
-      or _platform.fused_unsupported_reason(x, w, preferred_element_type, tp, axis_name)
-      is not None):
     return "xla"
-  return "fused" if _auto_prefers_fused(op, x, tp) else "xla"
+  return "fused" if impl == "fused" or _auto_prefers_fused(op, x, tp) else "xla"
 
 
 def _auto_prefers_fused(op: str, x, tp: int) -> bool:
@@ -47,18 +45,15 @@ def _auto_prefers_fused(op: str, x, tp: int) -> bool:
   return tuning.auto_prefers_fused(op, tp, rows, k)
 
 
-def _resolve_fp8(op: str, impl: str, x, w, preferred_element_type, axis_name: str,
+def _resolve_fp8(op: str, impl: str, x, w, out_dtype, tp: int, axis_name: str,
                  transpose_w: bool) -> str:
-  """FP8 operands (checked and paired by the op): "auto" -> XLA; "fused" -> the FP8 kernel where
-  every condition holds, else FusedKernelUnavailableError naming the first that fails."""
+  """FP8 operands (checked and paired by the plan): "auto" -> XLA; "fused" -> the FP8 kernel
+  where every condition holds, else FusedKernelUnavailableError naming the first that fails."""
   if impl == "auto":
     return "xla"
-  out_dtype = (_common.FP8_OUT_DTYPE if preferred_element_type is None
-               else preferred_element_type)
   reason = (_platform.fused_fp8_dtype_reason(x, w)
-            or _platform.platform_reason(axis_name)
-            or _platform.fused_fp8_operand_reason(x, w, out_dtype, lax.axis_size(axis_name),
-                                                  transpose_w))
+            or _platform.platform_reason(axis_name if tp > 1 else None)
+            or _platform.fused_fp8_operand_reason(x, w, out_dtype, tp, transpose_w))
   if reason is not None:
     raise _common.FusedKernelUnavailableError(
         f"{op}(impl='fused') with FP8 operands: {reason} Use impl='xla' (or 'auto', which takes "

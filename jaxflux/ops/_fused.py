@@ -1,5 +1,9 @@
 """The fused FFI calls of the ops (per-device view, inside shard_map): output types, workspace
-bytes, and the tuning choice (jaxflux.tuning, resolved here once per call) as attributes."""
+bytes, and the tuning choice (jaxflux.tuning, resolved here once per call) as attributes.
+
+Every result is typed like the XLA path's (its varying mesh axes), which a custom_vjp's
+backward needs. At tp=1 there is nothing to gather or reduce: the op is its GEMM alone, the
+GEMM-only target (ops/gemm.py) with CUTLASS's persistent kernel, typed the same way."""
 from __future__ import annotations
 
 import math
@@ -20,9 +24,12 @@ def all_gather_matmul(x, w, axis_name: str, want_gathered: bool, *, transpose_w:
   debug_skip_rank: test hook; that rank never signals its peers, so they time out.
   """
   tp = lax.axis_size(axis_name)
-  if tp == 1:  # nothing to gather
-    y = gemm.gemm(x, w.T if transpose_w else w)
-    return y, (x if want_gathered else None)
+  # Typed like the XLA path's results: varying along the gathered axis and wherever x, w vary.
+  axes = _common.vma(x) | _common.vma(w) | {axis_name}
+  if tp == 1:
+    y = gemm.call(x, w, kernel="cutlass", transpose_w=transpose_w, out_dtype=x.dtype)
+    return _common.mark_varying(y, axes), (_common.mark_varying(x, axes) if want_gathered
+                                           else None)
   shard_bytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
   m, k = x.shape[-2:]
   n = w.shape[0] if transpose_w else w.shape[1]
@@ -37,8 +44,6 @@ def all_gather_matmul(x, w, axis_name: str, want_gathered: bool, *, transpose_w:
       "all_gather_matmul", out_types, (x, w), axis_name,
       2 * _group_call.slot_bytes(tp * shard_bytes), debug_skip_rank=debug_skip_rank,
       transpose_w=int(transpose_w), **_attributes.all_gather_matmul(tuned.choice, m))
-  # Typed like the XLA path's results: varying along the gathered axis and wherever x, w vary.
-  axes = _common.vma(x) | _common.vma(w) | {axis_name}
   outs = [_common.mark_varying(o, axes) for o in outs]
   return outs[0], (outs[1] if want_gathered else None)
 
@@ -51,8 +56,11 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
   debug_skip_rank: test hook; that rank never signals its peers, so they time out.
   """
   tp = lax.axis_size(axis_name)
-  if tp == 1:  # nothing to reduce
-    return gemm.gemm(x, w.T if transpose_w else w)
+  # Typed like the XLA path's result: varying along the scattered axis and wherever x, w vary.
+  axes = _common.vma(x) | _common.vma(w) | {axis_name}
+  if tp == 1:
+    z = gemm.call(x, w, kernel="cutlass", transpose_w=transpose_w, out_dtype=x.dtype)
+    return _common.mark_varying(z, axes)
   m = x.shape[-2] // tp
   k = x.shape[-1]
   n = w.shape[0] if transpose_w else w.shape[1]
@@ -67,8 +75,7 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
       axis_name, 2 * 2 * tp * _group_call.slot_bytes(partial_bytes),
       debug_skip_rank=debug_skip_rank, transpose_w=int(transpose_w),
       **_attributes.matmul_reduce_scatter(tuned.choice))
-  # Typed like the XLA path's result: varying along the scattered axis and wherever x, w vary.
-  return _common.mark_varying(z, _common.vma(x) | _common.vma(w) | {axis_name})
+  return _common.mark_varying(z, axes)
 
 
 def matmul_all_reduce(x, w, axis_name: str, *, transpose_w: bool = False,
@@ -83,8 +90,9 @@ def matmul_all_reduce(x, w, axis_name: str, *, transpose_w: bool = False,
   # Typed like the XLA path's psum: invariant along the summed axis, varying wherever else x or
   # w vary.
   axes = (_common.vma(x) | _common.vma(w)) - {axis_name}
-  if tp == 1:  # nothing to reduce
-    return _common.mark_varying(gemm.gemm(x, w, transpose_w=transpose_w), axes)
+  if tp == 1:
+    y = gemm.call(x, w, kernel="cutlass", transpose_w=transpose_w, out_dtype=x.dtype)
+    return _common.mark_varying(y, axes)
   m, k = x.shape[-2:]
   n = w.shape[0] if transpose_w else w.shape[1]
   batch = math.prod(x.shape[:-2])
@@ -116,13 +124,15 @@ def all_gather_matmul_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str,
   x_scale_rows) · (w · w_scale_cols)ᵀ in out_dtype (bfloat16); x_full in x's dtype. The row
   scales [..., m, 1] travel with x (the kernel gathers them beside it)."""
   tp = lax.axis_size(axis_name)
+  axes = (_common.vma(x) | _common.vma(w) | _common.vma(x_scale_rows) | _common.vma(w_scale_cols)
+          | {axis_name})
+  if tp == 1:
+    y = _fp8_gemm(x, w, x_scale_rows, w_scale_cols, out_dtype)
+    return _common.mark_varying(y, axes), (_common.mark_varying(x, axes) if want_gathered
+                                           else None)
   m, k = x.shape[-2:]
   n = w.shape[0]
   batch = math.prod(x.shape[:-2])
-  if tp == 1:  # nothing to gather
-    y = gemm.gemm(x, w, transpose_w=True, x_scale=x_scale_rows, w_scale=w_scale_cols,
-                  out_dtype=out_dtype)
-    return y, (x if want_gathered else None)
   shard_bytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
   tuned = tuning.choose_all_gather_matmul(dtype=jnp.dtype(x.dtype).name, tp=tp,
                                           rows=batch * tp * m, n=n, sms=_runtime.sm_count())
@@ -135,8 +145,6 @@ def all_gather_matmul_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str,
       "all_gather_matmul", out_types, (x, w), axis_name, 2 * half,
       scales=_fp8_scales(x_scale_rows, w_scale_cols), debug_skip_rank=debug_skip_rank,
       transpose_w=1, **_attributes.all_gather_matmul(tuned.choice, m))
-  axes = (_common.vma(x) | _common.vma(w) | _common.vma(x_scale_rows) | _common.vma(w_scale_cols)
-          | {axis_name})
   outs = [_common.mark_varying(o, axes) for o in outs]
   return outs[0], (outs[1] if want_gathered else None)
 
@@ -146,9 +154,10 @@ def matmul_reduce_scatter_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str, 
   """z = reduce_scatter((x · x_scale_rows) · (w · w_scale_cols)ᵀ) for FP8 x [..., M, k] and w
   [N, k] (K-major), in out_dtype (bfloat16); the partials pushed and summed are bfloat16."""
   tp = lax.axis_size(axis_name)
-  if tp == 1:  # nothing to reduce
-    return gemm.gemm(x, w, transpose_w=True, x_scale=x_scale_rows, w_scale=w_scale_cols,
-                     out_dtype=out_dtype)
+  axes = (_common.vma(x) | _common.vma(w) | _common.vma(x_scale_rows) | _common.vma(w_scale_cols)
+          | {axis_name})
+  if tp == 1:
+    return _common.mark_varying(_fp8_gemm(x, w, x_scale_rows, w_scale_cols, out_dtype), axes)
   m = x.shape[-2] // tp
   k = x.shape[-1]
   n = w.shape[0]
@@ -162,6 +171,12 @@ def matmul_reduce_scatter_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str, 
       (x, w), axis_name, 2 * 2 * tp * _group_call.slot_bytes(partial_bytes),
       scales=_fp8_scales(x_scale_rows, w_scale_cols), debug_skip_rank=debug_skip_rank,
       transpose_w=1, **_attributes.matmul_reduce_scatter(tuned.choice))
-  axes = (_common.vma(x) | _common.vma(w) | _common.vma(x_scale_rows) | _common.vma(w_scale_cols)
-          | {axis_name})
   return _common.mark_varying(z, axes)
+
+
+def _fp8_gemm(x, w, x_scale_rows, w_scale_cols, out_dtype):
+  """An FP8 op at tp=1: the GEMM-only target on w [n, K], accumulating as the fused FP8
+  kernels do."""
+  fast = gemm.FP8_ACCUMULATE[jnp.dtype(x.dtype).name] == "fast"
+  return gemm.call(x, w, kernel="cutlass", transpose_w=True, out_dtype=out_dtype,
+                   scales=(x_scale_rows, w_scale_cols), fast_accum=int(fast))

@@ -8,16 +8,6 @@ from jaxflux import _runtime
 from jaxflux.ops import _common, _mesh
 
 
-def fused_unsupported_reason(x, w, preferred_element_type, tp: int,
-                             axis_name: str) -> str | None:
-  """Why neither fused kernel can run on these per-device operands over `axis_name` here (the
-  platform, then the operands), or None."""
-  reason = platform_reason(axis_name)
-  if reason is not None:
-    return reason
-  return fused_operand_reason(x, w, preferred_element_type, tp)
-
-
 def fused_dtype_error(op: str, x, w) -> str | None:
   """The error impl="fused" raises for x/w dtypes no fused kernel takes, or None."""
   for name, a in (("x", x), ("w", w)):
@@ -116,9 +106,10 @@ def axis_hosts_reason(mesh, axis_name: str, host_of_device) -> str | None:
 MAX_FUSED_TP = 8  # one NVLink domain: the ranks' workspaces are peer-mapped in one process
 
 
-def fused_operand_reason(x, w, preferred_element_type, tp: int) -> str | None:
-  """Why neither fused kernel takes these per-device operands at this group size, or None (both
-  kernels share the CUTLASS GEMM: 16-byte rows for TMA, output in the input dtype)."""
+def fused_operand_reason(x, w, out_dtype, tp: int) -> str | None:
+  """Why no fused kernel takes these per-device operands at this group size writing
+  `out_dtype`, or None (the kernels share the CUTLASS GEMM: 16-byte rows for TMA, output in the
+  input dtype)."""
   if (reason := _group_reason(tp)) is not None:
     return reason
   k, n = w.shape
@@ -127,10 +118,9 @@ def fused_operand_reason(x, w, preferred_element_type, tp: int) -> str | None:
             "of 8 (16-byte rows for its TMA loads). Pad the weight.")
   if (reason := _empty_reason(x, w)) is not None:
     return reason
-  out = _common.result_dtype(x, w, preferred_element_type)
-  if out != x.dtype:
+  if jnp.dtype(out_dtype) != x.dtype:
     return (f"the kernel writes its output in the input dtype ({x.dtype}); "
-            f"preferred_element_type={out} is not supported by it yet.")
+            f"preferred_element_type={jnp.dtype(out_dtype)} is not supported by it yet.")
   return None
 
 

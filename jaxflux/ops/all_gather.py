@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxflux.ops import _common, _group_call, _platform
+from jaxflux.ops import _common, _group_call, _plan, _platform
 
 IMPLS = ("fused", "xla")
 
@@ -35,7 +35,7 @@ def all_gather(x, axis_name: str, *, impl: str = "fused", debug_skip_rank: int =
     raise ValueError(f"all_gather: x must have rank >= 2 ([..., m, k]); got shape {jnp.shape(x)}.")
   if impl == "xla":
     return lax.all_gather(x, axis_name, axis=x.ndim - 2, tiled=True)
-  tp = _common.axis_size("all_gather", axis_name)
+  tp = _plan.axis_size("all_gather", axis_name)
   if tp == 1:
     return x
   reason = _platform.platform_reason(axis_name)

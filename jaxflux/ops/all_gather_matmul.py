@@ -17,7 +17,7 @@ FP8 operands (with x_scale and w_scale) run forward-only (ops/_fp8.py).
 """
 from __future__ import annotations
 
-from jaxflux.ops import _common, _differentiable, _fp8
+from jaxflux.ops import _differentiable, _fp8, _plan
 
 
 def all_gather_matmul(x, w, axis_name: str, *, return_gathered: bool = False, impl: str = "auto",
@@ -63,16 +63,10 @@ def all_gather_matmul(x, w, axis_name: str, *, return_gathered: bool = False, im
   Returns:
     y [..., tp*m, n], or (y, x_full) when return_gathered.
   """
-  op = "all_gather_matmul"
-  _common.check_impl(op, impl)
-  transpose_w = _common.check_static_bool(op, "transpose_w", transpose_w)
-  _common.check_operands(op, x, w, transpose_w=transpose_w)
-  _common.axis_size(op, axis_name)
-  if _fp8.is_fp8_call(op, x, w, x_scale, w_scale):
-    return _fp8.all_gather_matmul(x, w, x_scale, w_scale, axis_name,
-                                  return_gathered=bool(return_gathered), impl=impl,
-                                  preferred_element_type=preferred_element_type,
-                                  precision=precision, transpose_w=transpose_w)
-  return _differentiable.all_gather_matmul(x, w, axis_name, return_gathered, impl,
-                                          preferred_element_type, precision,
-                                          transpose_w=transpose_w)
+  plan, scales = _plan.plan("all_gather_matmul", x, w, axis_name, impl=impl,
+                            preferred_element_type=preferred_element_type, precision=precision,
+                            transpose_w=transpose_w, return_gathered=return_gathered,
+                            x_scale=x_scale, w_scale=w_scale)
+  if plan.fp8:
+    return _fp8.all_gather_matmul(x, w, *scales, plan)
+  return _differentiable.all_gather_matmul(x, w, plan)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflux import _runtime, tuning
-from jaxflux.ops import _common, _platform
+from jaxflux.ops import _common, _plan, _platform
 
 KERNELS = {"cutlass": 0, "all_gather_matmul": 1, "own_rows": 2, "matmul_all_reduce": 0}
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -39,7 +39,7 @@ def _check_operands(op: str, x, w) -> tuple[int, int]:
   """The kernels' operand rules at trace time: x [..., M, K] and w [K, N] of one dtype, bf16 or
   fp16, K and N multiples of 8; or FP8 x and an e4m3 w, K and N multiples of 16. Returns
   (K, N)."""
-  _common.check_operands(op, x, w)
+  _plan.check_operands(op, x, w)
   if x.dtype in FP8_DTYPES:
     if w.dtype != jnp.float8_e4m3fn:
       raise TypeError(f"{op}: FP8 x ({x.dtype}) needs a float8_e4m3fn w; got {w.dtype}.")
@@ -142,7 +142,7 @@ def gemm(x, w, *, kernel: str = "cutlass", c=None, transpose_w: bool = False, x_
   op = "gemm"
   if kernel not in KERNELS:
     raise ValueError(f"{op}: kernel={kernel!r} is not one of {tuple(KERNELS)}.")
-  k, n = _check_operands(op, x, _common.weight_for_checks(w, transpose_w))
+  _, n = _check_operands(op, x, _common.weight_for_checks(w, transpose_w))
   fp8 = x.dtype in FP8_DTYPES
   scales, fast_accum, out = (), 0, x.dtype
   if fp8:
@@ -150,19 +150,30 @@ def gemm(x, w, *, kernel: str = "cutlass", c=None, transpose_w: bool = False, x_
                                           kernel, accumulate)
   elif x_scale is not None or w_scale is not None or out_dtype is not None or accumulate:
     raise ValueError(f"{op}: x_scale, w_scale, out_dtype and accumulate are for FP8 x only.")
-  out_shape = tuple(x.shape[:-1]) + (n,)
-  _check_c(op, kernel, c, out_shape, out)
-  rows = math.prod(x.shape[:-1])
-  attrs = attributes(kernel, x.dtype, rows, k, n, out_itemsize=jnp.dtype(out).itemsize)
+  _check_c(op, kernel, c, tuple(x.shape[:-1]) + (n,), out)
   reason = _platform.platform_reason()
   if reason is not None:
     raise _common.FusedKernelUnavailableError(f"{op}(kernel={kernel!r}): {reason}")
+  return call(x, w, kernel=kernel, c=c, transpose_w=transpose_w, scales=scales, out_dtype=out,
+              fast_accum=fast_accum)
+
+
+def call(x, w, *, kernel: str, transpose_w: bool, out_dtype, c=None, scales: tuple = (),
+         fast_accum: int = 0):
+  """The jaxflux_gemm FFI call on operands `gemm` (or an op at tp=1) has checked: x [..., M, K]
+  @ w [K, N] ([N, K] with transpose_w) (+ c), written in out_dtype, tuned as the fused ops tune
+  `kernel`. scales: FP8's x row and w column scales; fast_accum: FP8's accumulation."""
+  n = w.shape[0] if transpose_w else w.shape[1]
+  k = x.shape[-1]
+  rows = math.prod(x.shape[:-1])
+  attrs = attributes(kernel, x.dtype, rows, k, n, out_itemsize=jnp.dtype(out_dtype).itemsize)
   _runtime.register_targets()
-  source = c if c is not None else jnp.zeros((8,), out)  # not read by kernels 0 and 1
-  call = jax.ffi.ffi_call("jaxflux_gemm", jax.ShapeDtypeStruct(out_shape, out))
-  return call(x, w, source, *scales, transpose_w=np.int64(transpose_w),
-              fast_accum=np.int64(fast_accum),
-              **{name: np.int64(value) for name, value in attrs.items()})
+  source = c if c is not None else jnp.zeros((8,), out_dtype)  # not read by kernels 0 and 1
+  ffi_call = jax.ffi.ffi_call("jaxflux_gemm",
+                              jax.ShapeDtypeStruct(tuple(x.shape[:-1]) + (n,), out_dtype))
+  return ffi_call(x, w, source, *scales, transpose_w=np.int64(transpose_w),
+                  fast_accum=np.int64(fast_accum),
+                  **{name: np.int64(value) for name, value in attrs.items()})
 
 
 __all__ = ["KERNELS", "gemm"]

@@ -3,7 +3,7 @@ sequence parallelism (every rank holds all tokens before and after the layer).
 
 Per-device view inside `jax.shard_map`:
   x [..., M, k]      all tokens, this device's slice of the contraction dim
-  w [k, N]           this device's row shard of the weight
+  w [k, N]           this device's row shard of the weight ([N, k] with transpose_w)
   y [..., M, N]      the summed output, the same on every device
 
 Backward, with no communication (dY arrives whole on every device, like y):
@@ -16,11 +16,11 @@ measured ahead.
 """
 from __future__ import annotations
 
-from jaxflux.ops import _common, _differentiable
+from jaxflux.ops import _differentiable, _plan
 
 
 def matmul_all_reduce(x, w, axis_name: str, *, impl: str = "auto", preferred_element_type=None,
-                      precision=None):
+                      precision=None, transpose_w: bool = False):
   """Multiplies `x` by `w`, then sums the products over `axis_name`.
 
   Equivalent to `lax.psum(x @ w, axis_name)`, with the all-reduce fused with the GEMM when the
@@ -29,28 +29,22 @@ def matmul_all_reduce(x, w, axis_name: str, *, impl: str = "auto", preferred_ele
 
   Args:
     x: [..., M, k] all tokens, local slice of the contraction dim.
-    w: [k, N] local row shard of the weight.
+    w: [k, N] local row shard of the weight ([N, k] with transpose_w).
     axis_name: the tensor-parallel mesh axis (size tp).
     impl: "auto" (XLA for this op, for now), "fused" (fused kernel or an error) or "xla"
       (pure-JAX reference).
     preferred_element_type: output dtype; default is the promoted input dtype.
     precision: `lax.Precision` for the XLA path, as in `lax.dot_general`.
+    transpose_w: w is given as its transpose, [N, k] (K-major, the layout the kernels read
+      natively); the op multiplies by wᵀ without materializing a transpose. A static Python
+      bool.
 
   FP8 operands are refused (TypeError): all_gather_matmul and matmul_reduce_scatter take them.
 
   Returns:
     y [..., M, N].
   """
-  op = "matmul_all_reduce"
-  _common.check_impl(op, impl)
-  _common.check_operands(op, x, w)
-  for name, a in (("x", x), ("w", w)):
-    if _common.is_narrow_float(a.dtype):
-      raise TypeError(
-          f"{op}: {name}.dtype={a.dtype}: matmul_all_reduce does not take FP8 operands. FP8 runs "
-          "through all_gather_matmul and matmul_reduce_scatter (x_scale=, w_scale=), i.e. "
-          "tensor parallelism with sequence parallelism (jaxflux.Dense(..., "
-          "sequence_parallel=True)); here pass x and w in bfloat16 or float16.")
-  _common.axis_size(op, axis_name)
-  return _differentiable.matmul_all_reduce(x, w, axis_name, impl, preferred_element_type,
-                                           precision, transpose_w=False)
+  plan, _ = _plan.plan("matmul_all_reduce", x, w, axis_name, impl=impl,
+                       preferred_element_type=preferred_element_type, precision=precision,
+                       transpose_w=transpose_w)
+  return _differentiable.matmul_all_reduce(x, w, plan)

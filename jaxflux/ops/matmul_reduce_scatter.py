@@ -16,7 +16,7 @@ FP8 operands (with x_scale and w_scale) run forward-only (ops/_fp8.py).
 """
 from __future__ import annotations
 
-from jaxflux.ops import _common, _differentiable, _fp8
+from jaxflux.ops import _differentiable, _fp8, _plan
 
 
 def matmul_reduce_scatter(x, w, axis_name: str, *, impl: str = "auto",
@@ -56,20 +56,9 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, impl: str = "auto",
   Returns:
     z [..., M/tp, N].
   """
-  op = "matmul_reduce_scatter"
-  _common.check_impl(op, impl)
-  transpose_w = _common.check_static_bool(op, "transpose_w", transpose_w)
-  _common.check_operands(op, x, w, transpose_w=transpose_w)
-  tp = _common.axis_size(op, axis_name)
-  tokens = x.shape[-2]
-  if tokens % tp:
-    raise ValueError(
-        f"{op}: the token axis of x (axis -2, size {tokens}, x.shape={x.shape}) must divide by "
-        f"the size of mesh axis {axis_name!r} (tp={tp}) to be scattered. Pad the tokens to a "
-        f"multiple of {tp} or use a tp that divides {tokens}.")
-  if _fp8.is_fp8_call(op, x, w, x_scale, w_scale):
-    return _fp8.matmul_reduce_scatter(x, w, x_scale, w_scale, axis_name, impl=impl,
-                                      preferred_element_type=preferred_element_type,
-                                      precision=precision, transpose_w=transpose_w)
-  return _differentiable.matmul_reduce_scatter(x, w, axis_name, impl, preferred_element_type,
-                                               precision, transpose_w=transpose_w)
+  plan, scales = _plan.plan("matmul_reduce_scatter", x, w, axis_name, impl=impl,
+                            preferred_element_type=preferred_element_type, precision=precision,
+                            transpose_w=transpose_w, x_scale=x_scale, w_scale=w_scale)
+  if plan.fp8:
+    return _fp8.matmul_reduce_scatter(x, w, *scales, plan)
+  return _differentiable.matmul_reduce_scatter(x, w, plan)
