@@ -246,36 +246,54 @@ PRESETS = {
 }
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=train.HelpFormatter)
   p.add_argument("--preset", choices=tuple(PRESETS), default="small",
-                 help="model and run defaults (explicit flags win)")
+                 help="model and run settings to start from; explicit flags override them")
   p.add_argument("--impl", choices=("auto", "fused", "xla"), default="auto",
-                 help="jaxflux.Dense impl of run (a)")
-  p.add_argument("--batch", type=int, help="prompts (divisible by dp)")
-  p.add_argument("--prompt-len", type=int, help="tokens per prompt")
+                 help="impl of the jaxflux.Dense run: fused (the fused kernels or an error), "
+                      "xla, or auto (fused where the tuning table measured it faster)")
+  p.add_argument("--batch", type=int, help="prompts (divisible by dp = devices / tp)")
+  p.add_argument("--prompt-len", type=int, help="tokens per prompt (>= 1)")
   p.add_argument("--new-tokens", type=int, help="tokens generated per prompt (>= 2)")
-  p.add_argument("--tp", type=int, default=None, help="tp size (default: all devices)")
-  p.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute and cache dtype")
-  p.add_argument("--seed", type=int, default=0, help="params (the training example's init) "
-                 "and prompts")
-  p.add_argument("--hidden", type=int)
-  p.add_argument("--heads", type=int, help="divisible by tp")
-  p.add_argument("--layers", type=int)
+  p.add_argument("--tp", type=int, default=None,
+                 help="tensor-parallel size, dividing the device count; dp = devices / tp "
+                      "(default: all devices)")
+  p.add_argument("--dtype", choices=("float32", "bfloat16"),
+                 help="compute and KV cache dtype; the fused kernels need bfloat16")
+  p.add_argument("--seed", type=int, default=0,
+                 help="seed of the params (the training example's init) and the prompts (>= 0)")
+  p.add_argument("--hidden", type=int, help="model width (divisible by --heads)")
+  p.add_argument("--heads", type=int, help="attention heads (divisible by tp)")
+  p.add_argument("--layers", type=int, help="transformer blocks (>= 1)")
   p.add_argument("--ffn", type=int, help="MLP width (divisible by tp)")
-  p.add_argument("--vocab", type=int)
-  p.add_argument("--activation", choices=("gelu", "swiglu"))
+  p.add_argument("--vocab", type=int, help="vocabulary size (>= 1)")
+  p.add_argument("--activation", choices=("gelu", "swiglu"),
+                 help="MLP activation (swiglu: gated, fc1 twice as wide)")
   p.add_argument("--quiet", action="store_true", help="print the verdict only")
   p.add_argument("--out", metavar="FILE.json", help="write config, timings, the comparison, "
                  "machine and versions")
-  p.set_defaults(**PRESETS[p.parse_known_args(argv)[0].preset])
+  return p
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  """The flags, with the preset's values as defaults, checked as far as they can be without
+  the devices (main checks the rest with train.check_layout)."""
+  p = build_parser()
+  p.set_defaults(**PRESETS.get(train.preset_arg(argv, "small"), {}))
   args = p.parse_args(argv)
+  train.check_at_least(p, args, dict(batch=1, prompt_len=1, hidden=1, heads=1, layers=1, ffn=1,
+                                     vocab=1, tp=1, seed=0))
+  if args.new_tokens < 2:
+    p.error(f"--new-tokens {args.new_tokens} must be at least 2: the first new token comes from "
+            "the prefill, the others from the timed decode steps")
   if args.hidden % args.heads:
-    p.error(f"--hidden {args.hidden} must be divisible by --heads {args.heads}")
-  if min(args.batch, args.prompt_len) < 1 or args.new_tokens < 2:
-    p.error("--batch and --prompt-len must be at least 1, --new-tokens at least 2 (the first "
-            "new token comes from the prefill, the others from the timed decode steps)")
+    p.error(f"--hidden {args.hidden} must be divisible by --heads {args.heads}: use a --heads "
+            f"that divides {args.hidden}")
+  if args.impl == "fused" and args.dtype != "bfloat16":
+    p.error(f"--impl fused needs --dtype bfloat16 (the fused kernels' dtype), not {args.dtype}: "
+            "add --dtype bfloat16, or use --impl auto")
   return args
 
 
@@ -283,14 +301,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
   """Runs both models. Returns the config, both runs' timings and tokens and the comparison (as
   in the JSON record), and for further checks the params, the prompts and both runs' logits."""
   args = parse_args(argv)
+  train.check_layout(build_parser(), args, jax.device_count(), ("heads", "ffn"))
+  try:
+    return run_example(args, argv)
+  except jaxflux.FusedKernelUnavailableError as e:
+    # --impl fused where the fused kernels cannot run (platform, dtype, sizes): a bad flag.
+    build_parser().error(f"--impl fused: {e}")
+
+
+def run_example(args, argv: Sequence[str] | None) -> dict:
+  """main's run, from checked flags (argv for the JSON record's command)."""
   log = (lambda s: None) if args.quiet else print
   mesh = train.make_mesh(args.tp)
   dp, tp = mesh.shape["dp"], mesh.shape["tp"]
-  for name in ("heads", "ffn"):
-    if getattr(args, name) % tp:
-      raise ValueError(f"--{name} {getattr(args, name)} must be divisible by tp={tp}")
-  if args.batch % dp:
-    raise ValueError(f"--batch {args.batch} must be divisible by dp={dp}")
   platform_ = mesh.devices.flat[0].platform
   log(f"mesh: dp={dp} x tp={tp} on {platform_} ({mesh.devices.size} devices), dtype="
       f"{args.dtype}, impl={args.impl}; fused kernels "

@@ -213,6 +213,12 @@ def prepare(args, mesh, dense, specs):
       shardings
 
 
+def fp8_variables(args, model) -> dict:
+  """The FP8 recipe's variables (Flax's collection "_overwrite_with_gradient"), replicated."""
+  return jax.jit(lambda *a: {k: v for k, v in model.init(*a).items() if k != "params"})(
+      jax.random.key(args.seed), jnp.zeros((args.batch, args.seq), jnp.int32))
+
+
 def optimizer(args) -> optax.GradientTransformation:
   lr = optax.linear_schedule(0.0, args.lr, args.lr_warmup) if args.lr_warmup else args.lr
   return optax.chain(optax.clip_by_global_norm(1.0),
@@ -303,32 +309,101 @@ PRESETS = {
 }
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Appends "(default: X)" to a flag's help unless the help already names its default or it has
+  none to show (None: unset; False: a switch)."""
+
+  def _get_help_string(self, action):
+    if "(default" in (action.help or "") or action.default is None or action.default is False:
+      return action.help
+    return super()._get_help_string(action)
+
+
+def preset_arg(argv: Sequence[str] | None, default: str | None = None) -> str | None:
+  """--preset's value, read before the full parse so that the preset's values are the defaults
+  that --help shows and that explicit flags override. A bad value is left to the full parse."""
+  early = argparse.ArgumentParser(add_help=False)
+  early.add_argument("--preset", nargs="?", default=default)
+  return early.parse_known_args(argv)[0].preset
+
+
+def check_at_least(p: argparse.ArgumentParser, args, minimums: dict) -> None:
+  """parser.error for the first flag (by dest) below its minimum; None values are unset."""
+  for dest, low in minimums.items():
+    value = getattr(args, dest)
+    if value is not None and value < low:
+      p.error(f"--{dest.replace('_', '-')} {value} must be at least {low}")
+
+
+def check_layout(p: argparse.ArgumentParser, args, devices: int, tp_dims: Sequence[str]) -> None:
+  """parser.error unless --tp divides the device count, the `tp_dims` flags divide by tp and
+  --batch by dp: the mesh is (devices / tp) x tp over all devices."""
+  tp = args.tp or devices
+  if devices % tp:
+    sizes = ", ".join(str(d) for d in range(1, devices + 1) if devices % d == 0)
+    p.error(f"--tp {tp} must divide the number of devices ({devices}): use one of {sizes}")
+  for name in tp_dims:
+    value = getattr(args, name)
+    if value % tp:
+      p.error(f"--{name} {value} must be divisible by tp={tp}"
+              + ("" if args.tp else " (all devices, the default --tp)")
+              + f": use a multiple of {tp}, or a --tp that divides both {value} and {devices}")
+  dp = devices // tp
+  if args.batch % dp:
+    p.error(f"--batch {args.batch} must be divisible by dp={dp} (devices / tp = {devices} / "
+            f"{tp}): use a multiple of {dp}, or a larger --tp")
+
+
+def parse_distributed(value: str) -> tuple[str, int, int]:
+  """--distributed COORD,NUM,ID -> (coordinator, process count, process id); ValueError naming
+  the flag and the expected form otherwise."""
+  try:
+    coordinator, num, pid = value.split(",")
+    num, pid = int(num), int(pid)
+  except ValueError:
+    raise ValueError(f"--distributed {value!r}: expected COORD,NUM,ID, e.g. "
+                     "127.0.0.1:1234,2,0") from None
+  if not coordinator or num < 1 or not 0 <= pid < num:
+    raise ValueError(f"--distributed {value!r}: needs a coordinator host:port, NUM >= 1 "
+                     "processes and an ID from 0 to NUM - 1, e.g. 127.0.0.1:1234,2,0")
+  return coordinator, num, pid
+
+
+def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=HelpFormatter)
   p.add_argument("--preset", choices=tuple(PRESETS), default=None,
-                 help="model and run defaults (explicit flags win); default: the small model")
+                 help="model and run settings to start from; explicit flags override them "
+                      "(default: the small model below)")
   p.add_argument("--mode", choices=("jaxflux", "xla", "windowed"), default="jaxflux",
                  help="jaxflux.Dense with --impl; the same with impl='xla'; or flax.linen.Dense "
                       "under GSPMD with XLA's windowed-einsum flags")
   p.add_argument("--impl", choices=("auto", "fused", "xla"), default="auto",
-                 help="jaxflux.Dense impl (--mode jaxflux)")
-  p.add_argument("--steps", type=int, default=40)
-  p.add_argument("--batch", type=int, default=8, help="global batch (divisible by dp)")
-  p.add_argument("--seq", type=int, default=64, help="sequence length (divisible by tp)")
-  p.add_argument("--hidden", type=int, default=128)
-  p.add_argument("--heads", type=int, default=8, help="divisible by tp")
-  p.add_argument("--layers", type=int, default=2)
+                 help="jaxflux.Dense impl, --mode jaxflux only: fused (the fused kernels or an "
+                      "error), xla, or auto (fused where the tuning table measured it faster)")
+  p.add_argument("--steps", type=int, default=40, help="training steps (>= 1)")
+  p.add_argument("--batch", type=int, default=8,
+                 help="global batch in sequences (divisible by dp = devices / tp)")
+  p.add_argument("--seq", type=int, default=64, help="tokens per sequence (divisible by tp)")
+  p.add_argument("--hidden", type=int, default=128, help="model width (divisible by --heads)")
+  p.add_argument("--heads", type=int, default=8, help="attention heads (divisible by tp)")
+  p.add_argument("--layers", type=int, default=2, help="transformer blocks (>= 1)")
   p.add_argument("--ffn", type=int, default=512, help="MLP width (divisible by tp)")
-  p.add_argument("--vocab", type=int, default=256)
-  p.add_argument("--activation", choices=("gelu", "swiglu"), default="gelu")
+  p.add_argument("--vocab", type=int, default=256, help="vocabulary size (>= 1)")
+  p.add_argument("--activation", choices=("gelu", "swiglu"), default="gelu",
+                 help="MLP activation (swiglu: gated, fc1 twice as wide)")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                 help="compute dtype (params stay float32)")
-  p.add_argument("--tp", type=int, default=None, help="tp size (default: all devices)")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--lr", type=float, default=3e-3)
-  p.add_argument("--fp8", action="store_true", help="Flax's FP8 recipe on the tp projections")
-  p.add_argument("--no-compare", action="store_true", help="skip the comparison runs")
+                 help="compute dtype (params stay float32); the fused kernels need bfloat16")
+  p.add_argument("--tp", type=int, default=None,
+                 help="tensor-parallel size, dividing the device count; dp = devices / tp "
+                      "(default: all devices)")
+  p.add_argument("--seed", type=int, default=0, help="seed of the params and the synthetic "
+                 "batches (>= 0)")
+  p.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (>= 0)")
+  p.add_argument("--fp8", action="store_true",
+                 help="Flax's FP8 recipe on the tensor-parallel projections")
+  p.add_argument("--no-compare", action="store_true",
+                 help="skip the flax.linen.Dense comparison runs")
   p.add_argument("--quiet", action="store_true", help="no per-step lines")
   p.add_argument("--log-every", type=int, default=0, metavar="N",
                  help="a progress line every N steps (default: about 10 lines per run)")
@@ -336,17 +411,44 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--distributed", metavar="COORD,NUM,ID", nargs="?", const="auto",
                  help="join jax.distributed as process ID of NUM (coordinator host:port); bare: "
                       "JAX's cluster detection (SLURM, Open MPI)")
-  p.add_argument("--local-device-ids", help="with --distributed: the CUDA ordinals to drive")
-  p.add_argument("--cpu-devices", type=int, help="CPU devices of this process (default 8)")
+  p.add_argument("--local-device-ids", metavar="IDS",
+                 help="with --distributed: the comma-separated CUDA ordinals this process "
+                      "drives, e.g. 0")
+  p.add_argument("--cpu-devices", type=int, metavar="N",
+                 help="CPU devices of this process; no effect on GPUs (default: 8 when run as "
+                      "a script)")
   p.set_defaults(lr_warmup=0)
-  preset = p.parse_known_args(argv)[0].preset
-  if preset:
-    p.set_defaults(**PRESETS[preset])
+  return p
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  """The flags, with the preset's values as defaults, checked as far as they can be without
+  the devices (main checks the rest with check_layout)."""
+  p = build_parser()
+  p.set_defaults(**PRESETS.get(preset_arg(argv), {}))
   args = p.parse_args(argv)
+  check_at_least(p, args, dict(steps=1, batch=1, seq=1, hidden=1, heads=1, layers=1, ffn=1,
+                               vocab=1, tp=1, seed=0, lr=0, log_every=0, cpu_devices=1))
   if args.hidden % args.heads:
-    p.error(f"--hidden {args.hidden} must be divisible by --heads {args.heads}")
+    p.error(f"--hidden {args.hidden} must be divisible by --heads {args.heads}: use a --heads "
+            f"that divides {args.hidden}")
   if args.impl != "auto" and args.mode != "jaxflux":
-    p.error(f"--impl {args.impl} applies to --mode jaxflux only")
+    p.error(f"--impl {args.impl} applies to --mode jaxflux only: drop --impl or use --mode "
+            "jaxflux")
+  if args.impl == "fused" and args.dtype != "bfloat16":
+    p.error(f"--impl fused needs --dtype bfloat16 (the fused kernels' dtype), not {args.dtype}: "
+            "add --dtype bfloat16, or use --impl auto")
+  if args.distributed not in (None, "auto"):
+    try:
+      parse_distributed(args.distributed)
+    except ValueError as e:
+      p.error(str(e))
+  if args.local_device_ids is not None:
+    if not args.distributed:
+      p.error("--local-device-ids applies with --distributed only: add --distributed or drop it")
+    if not re.fullmatch(r"\d+(,\d+)*", args.local_device_ids):
+      p.error(f"--local-device-ids {args.local_device_ids!r}: expected comma-separated CUDA "
+              "ordinals, e.g. 0 or 0,1")
   return args
 
 
@@ -357,12 +459,7 @@ def init_process(args) -> None:
   if args.distributed == "auto":
     jax.distributed.initialize()
   elif args.distributed:
-    try:
-      coordinator, num, pid = args.distributed.split(",")
-      num, pid = int(num), int(pid)
-    except ValueError:
-      raise ValueError(f"--distributed {args.distributed!r}: expected COORD,NUM,ID, "
-                       "e.g. 127.0.0.1:1234,2,0") from None
+    coordinator, num, pid = parse_distributed(args.distributed)
     ids = [int(i) for i in args.local_device_ids.split(",")] if args.local_device_ids else None
     jax.distributed.initialize(coordinator, num, pid, local_device_ids=ids,
                                cluster_detection_method="deactivate")
@@ -374,9 +471,7 @@ def run_model(label, args, mesh, dense, use_fp8, specs, batches, out):
   initial variables on the host, the fused-kernel calls)."""
   print_, log, log_every = out
   model, params, shardings = prepare(args, mesh, with_fp8(dense) if use_fp8 else dense, specs)
-  # The FP8 recipe's variables (Flax's collection "_overwrite_with_gradient"), replicated.
-  fp8 = {} if not use_fp8 else jax.jit(lambda *a: {k: v for k, v in model.init(*a).items()
-      if k != "params"})(jax.random.key(args.seed), jnp.zeros((args.batch, args.seq), jnp.int32))
+  fp8 = fp8_variables(args, model) if use_fp8 else {}
   initial = None if args.no_compare else host_copy((params, fp8), mesh)  # training donates them
   if use_fp8 and dense is flax_dense:  # Flax's FP8 backward gives its dW dot no out_sharding,
     # which JAX refuses on an Explicit axis: it trains with dp Auto instead (the same numbers).
@@ -421,16 +516,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
   custom calls in the compiled step, and the verdict ("ok")."""
   args = parse_args(argv)
   init_process(args)
+  check_layout(build_parser(), args, jax.device_count(), ("seq", "heads", "ffn"))
+  try:
+    return run_example(args, argv)
+  except jaxflux.FusedKernelUnavailableError as e:
+    # --impl fused where the fused kernels cannot run (platform, dtype, sizes): a bad flag.
+    build_parser().error(f"--impl fused: {e}")
+
+
+def run_example(args, argv: Sequence[str] | None) -> dict:
+  """main's run, from checked flags (argv for the JSON record's command)."""
   print_ = print if jax.process_index() == 0 else (lambda *a, **k: None)
   log = (lambda s: None) if args.quiet else print_
   out = (print_, log, args.log_every if args.log_every > 0 else max(1, args.steps // 10))
   mesh = make_mesh(args.tp)
   dp, tp = mesh.shape["dp"], mesh.shape["tp"]
-  for name in ("seq", "heads", "ffn"):
-    if getattr(args, name) % tp:
-      raise ValueError(f"--{name} {getattr(args, name)} must be divisible by tp={tp}")
-  if args.batch % dp:
-    raise ValueError(f"--batch {args.batch} must be divisible by dp={dp}")
   mode, platform_ = args.mode, mesh.devices.flat[0].platform
   how = (f"flax.linen.Dense under GSPMD, windowed-einsum XLA_FLAGS "
          f"{'set' if windowed_flags_set() else 'NOT set (run as a script)'}"

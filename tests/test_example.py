@@ -39,18 +39,21 @@ SMALL = ["--steps", "10", "--batch", "8", "--seq", "32", "--hidden", "64", "--he
 
 
 def train_step_hlo(example, argv) -> str:
-  """The optimized HLO of the example's compiled train step for these flags (--mode jaxflux)."""
+  """The optimized HLO of the example's compiled train step for these flags (--mode jaxflux,
+  with or without --fp8)."""
   import jax
 
   args = example.parse_args(argv)
   mesh = example.make_mesh(args.tp)
+  dense = example.jaxflux_dense(args.impl)
   with jax.set_mesh(mesh):
-    model, params, shardings = example.prepare(args, mesh, example.jaxflux_dense(args.impl),
-                                               example.param_specs(args))
+    model, params, shardings = example.prepare(
+        args, mesh, example.with_fp8(dense) if args.fp8 else dense, example.param_specs(args))
+    fp8 = example.fp8_variables(args, model) if args.fp8 else {}
     tx = example.optimizer(args)
     step, opt_state = example.train_state(model, tx, params, shardings, mesh)
     batch = example.synthetic_batch(args.seed, 0, args.batch, args.seq, args.vocab)
-    return step.lower(params, opt_state, {},  # no FP8 variables
+    return step.lower(params, opt_state, fp8,
                       *example.device_batch(batch, mesh)).compile().as_text()
 
 
@@ -101,10 +104,121 @@ def test_fp8_matches_flax_fp8_and_tracks_the_run_without(example, capsys):
   assert "final losses: jaxflux+fp8 " in out and "[float32] compiled in" in out, out
 
 
-def test_rejects_indivisible_heads(example):
+def help_entries(text: str) -> dict:
+  """--help output -> {option invocation: its help text, whitespace collapsed}. An entry starts
+  at a line indented by two spaces and a dash; its help follows the invocation after two or
+  more spaces or on the next lines."""
+  import re
+
+  options = text.split("\noptions:\n", 1)[1]
+  entries = {}
+  for entry in re.split(r"\n(?=  -)", options):
+    invocation, *rest = re.split(r"\s{2,}", entry.strip(), maxsplit=1)
+    entries[invocation] = " ".join(" ".join(rest).split())
+  return entries
+
+
+def check_help(text: str) -> dict:
+  """Every option has help, names its default at most once and never as None."""
+  entries = help_entries(text)
+  assert len(entries) > 10, text
+  for invocation, help_ in entries.items():
+    assert help_, f"{invocation} has no help text"
+    assert help_.count("(default") <= 1, (invocation, help_)
+    assert "(default: None)" not in help_, (invocation, help_)
+  return entries
+
+
+@pytest.mark.parametrize("preset", [None, "llama70b-8l"])
+def test_help(example, capsys, preset):
+  """--help names every flag with its help and, where it has one, its default once; with a
+  preset the defaults shown are the preset's."""
+  argv = (["--preset", preset] if preset else []) + ["--help"]
+  with pytest.raises(SystemExit) as exit_:
+    example.parse_args(argv)
+  assert exit_.value.code == 0
+  entries = check_help(capsys.readouterr().out)
+  assert entries["--hidden HIDDEN"].endswith(f"(default: {8192 if preset else 128})"), entries
+  assert entries["--tp TP"].endswith("(default: all devices)"), entries
+  assert entries["--seed SEED"].endswith("(default: 0)"), entries
+  assert "(default" not in entries["--fp8"], entries  # a switch: off unless given
+
+
+def flag_cases(*cases) -> list:
+  """(extra flags, expected message) pairs as parameters named by the flags."""
+  return [pytest.param(extra, message, id=" ".join(extra)) for extra, message in cases]
+
+
+def expect_usage_error(capsys, run, message: str) -> None:
+  """run() exits as argparse does for a bad flag: status 2, and the last line of stderr is
+  "<prog>: error: <message>" (after the usage), with no traceback."""
+  with pytest.raises(SystemExit) as exit_:
+    run()
+  assert exit_.value.code == 2
+  err = capsys.readouterr().err
+  assert "Traceback" not in err, err
+  assert err.startswith("usage: "), err
+  last = err.strip().splitlines()[-1]
+  assert ": error: " in last and last.split(": error: ", 1)[1].startswith(message), err
+
+
+@pytest.mark.parametrize("extra, message", flag_cases(
+    (["--steps", "0"], "--steps 0 must be at least 1"),
+    (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    (["--batch", "0"], "--batch 0 must be at least 1"),
+    (["--hidden", "0"], "--hidden 0 must be at least 1"),
+    (["--heads", "0"], "--heads 0 must be at least 1"),
+    (["--vocab", "0"], "--vocab 0 must be at least 1"),
+    (["--tp", "0"], "--tp 0 must be at least 1"),
+    (["--lr", "-1"], "--lr -1.0 must be at least 0"),
+    (["--seed", "-1"], "--seed -1 must be at least 0"),
+    (["--log-every", "-1"], "--log-every -1 must be at least 0"),
+    (["--heads", "6"], "--hidden 64 must be divisible by --heads 6: use a --heads that divides 64"),
+    (["--mode", "xla", "--impl", "fused"], "--impl fused applies to --mode jaxflux only"),
+    (["--impl", "fused"], "--impl fused needs --dtype bfloat16"),
+    (["--distributed", "1,2"], "--distributed '1,2': expected COORD,NUM,ID"),
+    (["--distributed", "h:1,2,2"], "--distributed 'h:1,2,2': needs a coordinator host:port"),
+    (["--local-device-ids", "0"], "--local-device-ids applies with --distributed only"),
+    (["--preset", "big"], "argument --preset: invalid choice: 'big'"),
+))
+def test_rejects_bad_flags(example, capsys, extra, message):
+  expect_usage_error(capsys, lambda: example.main(SMALL + extra), message)
+
+
+@pytest.mark.parametrize("extra, message", flag_cases(
+    (["--tp", "3"], "--tp 3 must divide the number of devices (8): use one of 1, 2, 4, 8"),
+    (["--tp", "16"], "--tp 16 must divide the number of devices (8)"),
+    (["--heads", "6", "--hidden", "48", "--tp", "8"],
+     "--heads 6 must be divisible by tp=8: use a multiple of 8, or a --tp that divides both 6 "
+     "and 8"),
+    (["--heads", "4"], "--heads 4 must be divisible by tp=8 (all devices, the default --tp)"),
+    (["--ffn", "100", "--tp", "8"], "--ffn 100 must be divisible by tp=8"),
+    (["--seq", "12", "--tp", "8"], "--seq 12 must be divisible by tp=8"),
+    (["--batch", "3", "--tp", "4"],
+     "--batch 3 must be divisible by dp=2 (devices / tp = 8 / 4): use a multiple of 2, or a "
+     "larger --tp"),
+))
+def test_rejects_layouts_the_devices_cannot_run(example, capsys, extra, message):
+  """Checked against the device count (after jax.distributed would have started), before any
+  compilation."""
+  import jax
+
+  if len(jax.devices()) != 8:
+    pytest.skip(f"the messages name 8 devices, found {len(jax.devices())}")
+  expect_usage_error(capsys, lambda: example.main(SMALL + extra), message)
+
+
+def test_rejects_impl_fused_where_no_fused_kernel_runs(example, capsys):
+  """--impl fused without the fused kernels (no CUDA build or GPU) is a bad flag here: a usage
+  error with jaxflux's reason, not a traceback."""
+  import jaxflux
+
+  if jaxflux.has_cuda():
+    pytest.skip("the fused kernels run here")
   _require_devices(8)
-  with pytest.raises(ValueError, match="--heads 6 must be divisible by tp=8"):
-    example.main(SMALL + ["--heads", "6", "--hidden", "48", "--tp", "8"])
+  expect_usage_error(capsys, lambda: example.main(SMALL + ["--tp", "8", "--impl", "fused",
+                                                           "--dtype", "bfloat16"]),
+                     "--impl fused: ")
 
 
 @pytest.mark.parametrize("mode", ["xla", "windowed"])

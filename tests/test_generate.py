@@ -20,6 +20,7 @@ import pytest
 import jaxflux
 
 from conftest import load_script
+from test_example import check_help, expect_usage_error, flag_cases
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "generate.py"
@@ -156,10 +157,64 @@ def test_decode_step_collectives(gen):
   assert custom_call_targets(hlo) == {}, custom_call_targets(hlo)
 
 
-def test_rejects_indivisible_heads(gen):
+@pytest.mark.parametrize("preset", [None, "llama70b-8l"])
+def test_help(gen, capsys, preset):
+  """--help names every flag with its help and its default once: the preset's values (the
+  small one's without --preset), not None."""
+  argv = (["--preset", preset] if preset else []) + ["--help"]
+  with pytest.raises(SystemExit) as exit_:
+    gen.parse_args(argv)
+  assert exit_.value.code == 0
+  entries = check_help(capsys.readouterr().out)
+  assert entries["--hidden HIDDEN"].endswith(f"(default: {8192 if preset else 128})"), entries
+  assert entries["--new-tokens NEW_TOKENS"].endswith(f"(default: {64 if preset else 32})")
+  assert entries["--tp TP"].endswith("(default: all devices)"), entries
+
+
+@pytest.mark.parametrize("extra, message", flag_cases(
+    (["--batch", "0"], "--batch 0 must be at least 1"),
+    (["--prompt-len", "0"], "--prompt-len 0 must be at least 1"),
+    (["--new-tokens", "1"], "--new-tokens 1 must be at least 2: the first new token comes from "
+     "the prefill"),
+    (["--hidden", "0"], "--hidden 0 must be at least 1"),
+    (["--heads", "0"], "--heads 0 must be at least 1"),
+    (["--layers", "0"], "--layers 0 must be at least 1"),
+    (["--ffn", "0"], "--ffn 0 must be at least 1"),
+    (["--vocab", "0"], "--vocab 0 must be at least 1"),
+    (["--tp", "0"], "--tp 0 must be at least 1"),
+    (["--seed", "-1"], "--seed -1 must be at least 0"),
+    (["--heads", "6"], "--hidden 64 must be divisible by --heads 6: use a --heads that divides 64"),
+    (["--impl", "fused"], "--impl fused needs --dtype bfloat16"),
+    (["--preset", "big"], "argument --preset: invalid choice: 'big'"),
+))
+def test_rejects_bad_flags(gen, capsys, extra, message):
+  expect_usage_error(capsys, lambda: gen.main(TINY + extra), message)
+
+
+@pytest.mark.parametrize("extra, message", flag_cases(
+    (["--tp", "3"], "--tp 3 must divide the number of devices (8): use one of 1, 2, 4, 8"),
+    (["--heads", "6", "--hidden", "48", "--tp", "8"],
+     "--heads 6 must be divisible by tp=8: use a multiple of 8, or a --tp that divides both 6 "
+     "and 8"),
+    (["--heads", "4"], "--heads 4 must be divisible by tp=8 (all devices, the default --tp)"),
+    (["--ffn", "100", "--tp", "8"], "--ffn 100 must be divisible by tp=8"),
+    (["--batch", "3", "--tp", "4"],
+     "--batch 3 must be divisible by dp=2 (devices / tp = 8 / 4): use a multiple of 2, or a "
+     "larger --tp"),
+))
+def test_rejects_layouts_the_devices_cannot_run(gen, capsys, extra, message):
+  if len(jax.devices()) != 8:
+    pytest.skip(f"the messages name 8 devices, found {len(jax.devices())}")
+  expect_usage_error(capsys, lambda: gen.main(TINY + extra), message)
+
+
+def test_rejects_impl_fused_where_no_fused_kernel_runs(gen, capsys):
+  if jaxflux.has_cuda():
+    pytest.skip("the fused kernels run here")
   _require_devices(8)
-  with pytest.raises(ValueError, match="--heads 6 must be divisible by tp=8"):
-    gen.main(TINY + ["--heads", "6", "--hidden", "48", "--tp", "8"])
+  expect_usage_error(capsys, lambda: gen.main(TINY + ["--tp", "8", "--impl", "fused",
+                                                      "--dtype", "bfloat16"]),
+                     "--impl fused: ")
 
 
 def test_presets(gen):
