@@ -4,16 +4,26 @@
 #   STAGES="tests tables train" bash benchmarks/gpu_check.sh [OUTDIR]   (OUTDIR: $OUT, else
 #   /tmp/jaxflux_gpu; every result and log goes there)
 # Stages (default: all three; keep each call under the machine's time limit by picking stages):
-#   tests   every GPU-marked test this machine can run (two-GPU tests skip on one GPU; the fused
-#           ops' matrix with two ranks sharing GPU 0 runs anywhere). GPU_TESTS narrows the files
-#           (e.g. GPU_TESTS=tests/test_multiprocess_gpu.py TESTS_TIMEOUT=440), PYTEST_K adds -k.
-#           gpu_tests.xml (JUnit) holds what tests record, e.g. test_fp8_gpu.py's error per case.
+#   tests   the GPU-marked tests of the tiers in GPU_TIERS (default: quick), one pytest run each:
+#             quick    -m "gpu and not slow": every kernel once, each fused op once across two
+#                      processes sharing a GPU, the layers' fused path training on one GPU.
+#                      Under 5 minutes on one H200; run it for every change to GPU code.
+#             full     all of the chunks below, each under 9 minutes on one H200 (one device
+#                      call each): kernels (the GEMM-only kernels in full, FP8 included, and
+#                      the tp=1 shape fuzz), ops (the fused ops across two processes: the shape
+#                      fuzz, the MLP, the dead peer, FP8; the training example), matrix and
+#                      matrix_pingpong (the 16-bit shape matrix, GEMM+RS's own-rows schedule as
+#                      chosen and forced to ping-pong), rest (the tests that need two GPUs).
+#           PYTEST_K adds -k. gpu_tests_<tier>.xml (JUnit) holds what tests record, e.g.
+#           test_fp8_gpu.py's error per case.
 #   tables  the benchmark tables: the single-GPU GEMM tables (h200_gemm_table.json,
 #           h200_gemm_all_reduce.json, and the FP8 one, h200_fp8_gemm.json); with two or more
 #           GPUs also both fused ops and the all-gather against XLA at tp=2. TABLES narrows
 #           them by output name (e.g. TABLES=h200_fp8_gemm).
 #   train   the training example (llama70b-8l preset, $TRAIN_STEPS steps, default 60) in modes
 #           jaxflux, xla and windowed; needs two GPUs
+# PREBUILT=1 skips the build and runs the extension module already in jaxflux/ (built by an
+# earlier call of this script on the same kind of machine, carried over).
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
 STAGES=${STAGES:-tests tables train}
@@ -24,21 +34,51 @@ status=0
 T0=$(date +%s)
 stage() { [[ " $STAGES " == *" $1 "* ]] && echo "== $1 (at $(( $(date +%s) - T0 )) s)"; }
 
-python3 -m pip install -q --no-deps --no-index .whl/*.whl || exit 1
-if ! python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUTDIR/build.log" 2>&1; then
-  tail -60 "$OUTDIR/build.log"; exit 1
+if [[ "${PREBUILT:-0}" == 1 ]]; then
+  ls jaxflux/_jaxflux*.so > /dev/null || { echo "PREBUILT=1 but no jaxflux/_jaxflux*.so"; exit 1; }
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  python3 -m pip install -q --no-deps --no-index .whl/*.whl || exit 1
+  if ! python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUTDIR/build.log" 2>&1
+  then
+    tail -60 "$OUTDIR/build.log"; exit 1
+  fi
+  echo "built at $(( $(date +%s) - T0 )) s"
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 GPUS=$(python3 -c "import jax, jaxflux; assert jaxflux.has_cuda(); print(jax.device_count())") \
   || { echo "no CUDA build of jaxflux or no GPU"; exit 1; }
 echo "GPUs: $GPUS"
 
+tier() {  # the pytest selection of a test tier, as arguments
+  local gpu=(-m gpu) kernels=(tests/test_gemm_gpu.py tests/test_fp8_gpu.py tests/test_fuzz_gpu.py)
+  local ops=(tests/test_multiprocess_gpu.py tests/test_example_gpu.py)
+  case $1 in
+    quick) TIER_ARGS=(-m "gpu and not slow" tests) ;;
+    kernels) TIER_ARGS=("${gpu[@]}" "${kernels[@]}") ;;
+    ops) TIER_ARGS=("${gpu[@]}" "${ops[@]}" -k "not matrix") ;;
+    matrix) TIER_ARGS=("${gpu[@]}" tests/test_multiprocess_gpu.py -k "matrix and not pingpong") ;;
+    matrix_pingpong) TIER_ARGS=("${gpu[@]}" tests/test_multiprocess_gpu.py -k matrix_pingpong) ;;
+    rest) TIER_ARGS=("${gpu[@]}" tests)
+          for f in "${kernels[@]}" "${ops[@]}"; do TIER_ARGS+=("--ignore=$f"); done ;;
+    *) echo "unknown test tier $1 (quick, full, kernels, ops, matrix, matrix_pingpong, rest)"
+       return 1 ;;
+  esac
+}
+
 if stage tests; then
-  timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -rs -m gpu ${GPU_TESTS:-tests} \
-    ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider --durations=10 -o faulthandler_timeout=300 \
-    --junitxml "$OUTDIR/gpu_tests.xml" -o junit_family=xunit1 > "$OUTDIR/gpu_tests.log" 2>&1 \
-    || status=1
-  tail -25 "$OUTDIR/gpu_tests.log"
+  tiers=${GPU_TIERS:-quick}
+  tiers=${tiers/full/kernels ops matrix matrix_pingpong rest}
+  for t in $tiers; do
+    tier "$t" || { status=1; continue; }
+    s=$(date +%s)
+    timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -rs "${TIER_ARGS[@]}" \
+      ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider --durations=10 -o faulthandler_timeout=300 \
+      --junitxml "$OUTDIR/gpu_tests_$t.xml" -o junit_family=xunit1 > "$OUTDIR/gpu_tests_$t.log" 2>&1 \
+      || status=1
+    echo "== tier $t: $(( $(date +%s) - s )) s"
+    tail -25 "$OUTDIR/gpu_tests_$t.log"
+  done
 fi
 
 bench() {  # output name, then the benchmark's arguments; prints the table's lines

@@ -21,6 +21,21 @@ processes' GPUs:
     shapes and batch dims, against float32 NumPy on the dequantized values; all_gather_matmul
     also returns x_full (the FP8 values, bit for bit), and every compiled program holds the
     fused custom call and no XLA all-gather / reduce-scatter;
+  MODE=fuzz: the reliability fuzz of tests/fuzz_cases.py: every process draws the same random
+    cases of all three fused ops (per-rank rows tile-aligned, odd or a few, K and N from 8 to
+    4096, batch dims, bf16, fp16 and FP8 with per-tensor and row / column scales, transpose_w,
+    return_gathered, half of them with forced kernel choices), each a fresh compile run with
+    impl="fused", and checks its rank's output (every element) against the float64 reference
+    of all ranks' data. The seed is fuzz_cases.DEFAULT_SEED or JAXFLUX_FUZZ_SEED;
+    JAXFLUX_FUZZ_CASES narrows the cases (N: the first N of each op; ag:I, rs:I-J, ...);
+    JAXFLUX_FUZZ_FORCE_CHOICES=0 keeps the tuning table's kernel choices in every case. Prints
+    `FUZZ SEED <seed> CASES <n>` first, then `PASS fuzz <op> <index> <case> err=...` or
+    `FAIL fuzz ...` with the environment that replays the case; a failed case does not stop
+    the run;
+  MODE=mlp: the MLP the layers build at tp (column-parallel all_gather_matmul, GELU,
+    row-parallel matmul_reduce_scatter, impl="fused"), forward and backward (jax.vjp with a
+    random cotangent) in one program, bf16 and fp16 at fuzz_cases.MLP_SHAPES, against a float64
+    forward and backward (z, dx, dw1, dw2) of the global data;
   MODE=die: one call of each fused op (and the all-gather, and GEMM+RS with either reduction:
     every kind of wait in the kernels), then process 1 exits at once and process 0 calls each
     again: each must fail with jaxflux's timeout error naming its op, instead of hanging.
@@ -43,6 +58,7 @@ import json
 import os
 import pathlib
 import sys
+import time
 
 import jax
 
@@ -380,6 +396,67 @@ def run_fp8():
         check_fp8_rs(fmt, kind, batch, rows, k, n)
 
 
+def run_fuzz():
+  """Every case of fuzz_cases.from_env, recorded and listed, never stopping at a failure. A
+  kernel's recorded error (a timeout) is collected after each case, so it fails that case."""
+  import fuzz_cases  # tests/ is this script's folder
+  jaxflux.configure(timeout_s=15.0)  # a hung case then costs 15 s, not the default 30
+  seed, cases = fuzz_cases.from_env(tp)
+  print(f"FUZZ SEED {seed} CASES {len(cases)}", flush=True)
+  start = time.monotonic()
+  for case in cases:
+    name = f"fuzz {case.op} {case.index} {case.describe()}"
+    try:
+      shards = fuzz_cases.make_shards(case)
+      outs = fuzz_cases.run_case(case, shards, mesh, impl="fused")
+      _runtime.check_errors()
+      # The reference comes after the run: an error in it fails this case without leaving the
+      # peer waiting in the kernel for this rank.
+      verdicts = [fuzz_cases.check(fuzz_cases.reference(case, shards, rank), got)
+                  for rank, got in sorted(outs.items())]
+      failed = [v for v in verdicts if not v.ok]
+      verdict = failed[0] if failed else max(verdicts, key=lambda v: v.err / v.bound)
+    except Exception as e:  # noqa: BLE001 - listed as this case's failure; the run goes on
+      with contextlib.suppress(Exception):
+        _runtime.check_errors()  # a recorded error belongs to this case, not the next
+      verdict = fuzz_cases.Verdict(False, float("nan"), float("nan"),
+                                   f"{type(e).__name__}: {' '.join(str(e).split())[:400]}")
+    if verdict.ok:
+      print(f"PASS {name} {verdict}", flush=True)
+    else:
+      failures.append(f"{name}: {verdict.detail} (replay: {case.replay()})")
+      print(f"FAIL {name} {verdict}; replay: {case.replay()}", flush=True)
+  print(f"FUZZ DONE {len(cases)} cases, {len(failures)} failed, "
+        f"{time.monotonic() - start:.0f} s (seed {seed})", flush=True)
+
+
+def run_mlp():
+  """The tensor-parallel MLP, forward and backward in one shard_map: its only communication is
+  the fused ops' own (two ranks on one GPU have no NCCL)."""
+  import fuzz_cases
+  for dtype in ("bfloat16", "float16"):
+    for i, (batch, m, d, h) in enumerate(fuzz_cases.MLP_SHAPES):
+      name = f"mlp {dtype} batch={batch} rows/rank={m} D={d} H={h}"
+      data = fuzz_cases.mlp_data(100 + i, batch, tp * m, d, h, dtype)
+      want = fuzz_cases.mlp_reference(**data)
+      b = (None,) * len(batch)
+      tokens, cols, rows = P(*b, "tp", None), P(None, "tp"), P("tp", None)
+      specs = {"x": tokens, "w1": cols, "w2": rows, "ct": tokens}
+      f = shard_mapped(lambda *a: fuzz_cases.mlp_with_grads(*a, impl="fused"),
+                       tuple(specs.values()), (tokens, tokens, cols, rows))
+      outs = f(*(global_array(data[k].astype(fuzz_cases.DTYPES[dtype]), spec)
+                 for k, spec in specs.items()))
+      for out_name, out in zip(("z", "dx", "dw1", "dw2"), outs):
+        verdicts = [fuzz_cases.mlp_check(s.data, want[out_name][s.index], dtype)
+                    for s in out.addressable_shards]
+        verdict = next((v for v in verdicts if not v.ok), verdicts[0])
+        if verdict.ok and out.dtype == jnp.dtype(dtype):
+          print(f"PASS {name} {out_name} {verdict}", flush=True)
+        else:
+          failures.append(f"{name} {out_name}: {verdict} ({out.dtype})")
+          print(f"FAIL {name} {out_name} {verdict} ({out.dtype})", flush=True)
+
+
 def shard_mapped(fn, in_specs, out_spec):
   return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec))
 
@@ -449,6 +526,13 @@ elif MODE == "fp8":
 elif MODE == "all_reduce":
   with jax.set_mesh(mesh):
     run_all_reduce()
+  _runtime.check_errors()
+elif MODE == "fuzz":
+  with jax.set_mesh(mesh):
+    run_fuzz()
+elif MODE == "mlp":
+  with jax.set_mesh(mesh):
+    run_mlp()
   _runtime.check_errors()
 else:
   with jax.set_mesh(mesh):

@@ -137,6 +137,7 @@ def _check_kernels(name, x_shape, k, n, fmt, record_property):
   assert not failures, failures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("x_lead,k,n", _tp2_shapes())
 def test_benchmark_shapes_match_float32_reference(x_lead, k, n, fmt, request, record_property):

@@ -20,6 +20,7 @@ operands = functools.partial(gpu_util.operands, scale_w=False)
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("x_shape,n", [
     ((1024, 256), 512),
@@ -78,7 +79,8 @@ def test_unavailable_without_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["cutlass", "all_gather_matmul", "own_rows"])
+@pytest.mark.parametrize("kernel", ["cutlass", "all_gather_matmul", "own_rows",
+                                    "matmul_all_reduce"])
 @pytest.mark.parametrize("transpose_w", [False, True])
 @pytest.mark.parametrize("x_shape,n", [((1024, 256), 512), ((3, 5, 64), 128)])
 def test_every_kernel_matches_float32_reference(kernel, transpose_w, x_shape, n):
@@ -99,6 +101,7 @@ def _own_rows(x, w, c, *, push, schedule, transpose_w=False):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("with_c", [True, False])
 @pytest.mark.parametrize("push", ["whole", "chunked"])
@@ -131,6 +134,7 @@ def test_own_rows_schedule_is_checked_when_overridden():
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("push", ["whole", "chunked"])
 @pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
@@ -184,6 +188,7 @@ def _all_reduce_gemm(x, w, *, tile, transpose_w=False):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("tile", tuning.AR_TILES)
 @pytest.mark.parametrize("transpose_w", [False, True])

@@ -5,7 +5,9 @@ Skipped unless jaxflux.has_cuda() and at least 2 GPUs. See tests/multiprocess_gp
 The same with both processes on one GPU (`shared`): the ranks' kernels take turns on it, which
 runs the fused ops' whole cross-rank protocol (IPC-mapped workspace, pushes, flags, bounded
 waits) on a one-GPU machine, so a change to the fused kernels can be checked for correctness
-without two GPUs. Those tests need one GPU; they say nothing of speed."""
+without two GPUs. Those tests need one GPU; they say nothing of speed. Among them: a random
+fuzz of all three fused ops (tests/fuzz_cases.py) and the tensor-parallel MLP's forward and
+backward in one program."""
 import importlib.util
 import os
 import pathlib
@@ -14,6 +16,7 @@ import sys
 
 import pytest
 
+import fuzz_cases
 import jaxflux
 from test_multiprocess import describe, run_group
 
@@ -86,6 +89,7 @@ def test_fused_ops_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_pa
     assert out.count("PASS back-to-back call") == 12, describe(results)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["matrix", "matrix_pingpong"])
 def test_fused_op_matrix_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path, mode):
   """Every benchmark shape at M=1024, odd shapes, batch dims, fp16 and both ops' gradients;
@@ -127,3 +131,33 @@ def test_fp8_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path):
 
 def test_a_dead_peer_sharing_one_gpu_fails_the_survivor(one_gpu_launcher, tmp_path):
   _assert_every_wait_timed_out(_run(one_gpu_launcher, tmp_path, "die", timeout=120, shared=True))
+
+
+@pytest.mark.slow
+def test_fuzz_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path):
+  """tests/fuzz_cases.py's random cases of all three fused ops (450 at the default seed, each a
+  fresh compile; JAXFLUX_FUZZ_SEED and JAXFLUX_FUZZ_CASES pass through to the workers), every
+  element of each rank's output against the float64 reference. A failure lists every failed
+  case with the environment that replays it."""
+  seed, cases = fuzz_cases.from_env(tp=2)
+  results = _run(one_gpu_launcher, tmp_path, "fuzz", timeout=420, shared=True)
+  where = f"fuzz seed {seed}\n{describe(results)}"
+  fails = "\n".join(line for _, out in results for line in out.splitlines()
+                    if line.startswith("FAIL "))
+  assert not fails, f"fuzz seed {seed}, failed cases:\n{fails}\n{where}"
+  assert [code for code, _ in results] == [0, 0], where
+  for i, (_, out) in enumerate(results):
+    assert f"FUZZ SEED {seed} CASES {len(cases)}\n" in out, where
+    assert f"WORKER OK {i}" in out, where
+    assert out.count("PASS fuzz ") == len(cases), where
+
+
+def test_fused_mlp_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path):
+  """Column-parallel all_gather_matmul, GELU, row-parallel matmul_reduce_scatter with
+  impl="fused", forward and backward (jax.vjp) in one program, bf16 and fp16 at five shapes
+  (odd rows, one row, batch dims), against float64 NumPy: z, dx, dw1, dw2 on each rank."""
+  results = _run(one_gpu_launcher, tmp_path, "mlp", timeout=150, shared=True)
+  assert [code for code, _ in results] == [0, 0], describe(results)
+  for i, (_, out) in enumerate(results):
+    assert f"WORKER OK {i}" in out and "FAIL" not in out, describe(results)
+    assert out.count("PASS mlp ") == 2 * len(fuzz_cases.MLP_SHAPES) * 4, describe(results)
