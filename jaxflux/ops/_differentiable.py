@@ -8,6 +8,7 @@ from __future__ import annotations
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from jaxflux.ops import _common, _fused, _plan
@@ -134,8 +135,11 @@ def _ar_bwd(plan, residuals, dy):
   # for an x or w replicated over the axis sums their cotangents over the ranks.
   dy = _common.mark_varying(dy.astype(_common.result_dtype(x, w, None)), {plan.axis_name})
   # dX = dY · W_effᵀ, contracted against w in place (no transposed copy): N is w's axis 1, or
-  # its axis 0 when w came transposed.
-  dx = _common.matmul(dy, w, precision=plan.precision, preferred_element_type=None,
+  # its axis 0 when w came transposed. Accumulated in float32 at least, as the fused kernels
+  # and weight_grad do: left to its bf16 output type, XLA on an H200 ran the one-row case
+  # (decode) as a GEMV off by up to 20% per element where terms cancel.
+  dx = _common.matmul(dy, w, precision=plan.precision,
+                      preferred_element_type=jnp.promote_types(dy.dtype, jnp.float32),
                       transpose_w=not plan.transpose_w).astype(x.dtype)
   # dW_eff = xᵀ · dY; w holds its transpose when transpose_w.
   dw = _common.weight_grad(x, dy, precision=plan.precision, dtype=w.dtype,
