@@ -7,15 +7,17 @@
 #   tests   the GPU-marked tests of the tiers in GPU_TIERS (default: quick), one pytest run each:
 #             quick    -m "gpu and not slow": every kernel once, each fused op once across two
 #                      processes sharing a GPU, the layers' fused path training on one GPU.
-#                      Under 5 minutes on one H200; run it for every change to GPU code.
-#             full     all of the chunks below, each under 9 minutes on one H200 (one device
-#                      call each): kernels (the GEMM-only kernels in full, FP8 included, and
+#                      Meant to take under 5 minutes on one H200; run it for every change to
+#                      GPU code.
+#             full     all of the chunks below, each meant to fit 9 minutes on one H200 (one
+#                      device call each): kernels (the GEMM-only kernels in full, FP8 included, and
 #                      the tp=1 shape fuzz), ops (the fused ops across two processes: the shape
 #                      fuzz, the MLP, the dead peer, FP8; the training example), matrix and
 #                      matrix_pingpong (the 16-bit shape matrix, GEMM+RS's own-rows schedule as
 #                      chosen and forced to ping-pong), rest (the tests that need two GPUs).
-#           PYTEST_K adds -k. gpu_tests_<tier>.xml (JUnit) holds what tests record, e.g.
-#           test_fp8_gpu.py's error per case.
+#           PYTEST_K replaces the tier's -k (e.g. GPU_TIERS=ops PYTEST_K=fuzz_across).
+#           gpu_tests_<tier>.xml (JUnit) holds what tests record, e.g. test_fp8_gpu.py's error
+#           per case.
 #   tables  the benchmark tables: the single-GPU GEMM tables (h200_gemm_table.json,
 #           h200_gemm_all_reduce.json, and the FP8 one, h200_fp8_gemm.json); with two or more
 #           GPUs also both fused ops and the all-gather against XLA at tp=2. TABLES narrows
@@ -74,7 +76,8 @@ if stage tests; then
     s=$(date +%s)
     timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -rs "${TIER_ARGS[@]}" \
       ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider --durations=10 -o faulthandler_timeout=300 \
-      --junitxml "$OUTDIR/gpu_tests_$t.xml" -o junit_family=xunit1 > "$OUTDIR/gpu_tests_$t.log" 2>&1 \
+      --junitxml "$OUTDIR/gpu_tests_$t.xml" -o junit_family=xunit1 \
+      > "$OUTDIR/gpu_tests_$t.log" 2>&1 \
       || status=1
     echo "== tier $t: $(( $(date +%s) - s )) s"
     tail -25 "$OUTDIR/gpu_tests_$t.log"

@@ -3,7 +3,6 @@ check; nothing runs the kernel): the FFI call, its attributes and workspace, its
 invariant over the axis like psum's, a backward without communication, and impl="auto" taking
 XLA for this op."""
 import jax
-import jax.extend
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -13,6 +12,7 @@ from jaxflux import _runtime, tuning
 from jaxflux.ops import _fused, _group_call
 from jaxflux.ops.gemm import gemm
 from conftest import make_mesh
+from jaxpr_util import equations
 from test_fused_tracing import _FakeGpu, _ffi_calls
 
 TARGET = "jaxflux_matmul_all_reduce"
@@ -123,14 +123,9 @@ def test_forward_and_grad_trace_with_matching_types_and_no_backward_communicatio
 def _collectives(jaxpr) -> set:
   """The communicating primitives of a jaxpr, nested ones included (psum is `psum_invariant`
   or `psum` by jax version; pvary/pcast only retype and are left out)."""
-  found = set()
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name.startswith(("psum", "all_gather", "reduce_scatter", "all_to_all",
-                                      "ppermute")):
-      found.add(eqn.primitive.name)
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      found |= _collectives(sub)
-  return found
+  return {eqn.primitive.name for eqn in equations(jaxpr)
+          if eqn.primitive.name.startswith(("psum", "all_gather", "reduce_scatter", "all_to_all",
+                                            "ppermute"))}
 
 
 @pytest.mark.parametrize("m", [1, 16, 2048, 16384])

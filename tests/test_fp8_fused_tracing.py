@@ -5,7 +5,6 @@ matmul, forward and backward, through the fused targets, with no all-gather or r
 of its own. The GPU is faked by patching the platform check; nothing here runs a kernel."""
 import flax.linen as nn
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxflux
 from conftest import make_mesh, mesh_of
+from jaxpr_util import equations
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 AG, RS = "jaxflux_all_gather_matmul", "jaxflux_matmul_reduce_scatter"
@@ -20,30 +20,11 @@ AG, RS = "jaxflux_all_gather_matmul", "jaxflux_matmul_reduce_scatter"
 
 def _ffi_calls(jaxpr) -> list:
   """Every ffi_call equation of a closed jaxpr, nested jaxprs included."""
-  found = []
-
-  def visit(j):
-    for eqn in j.eqns:
-      if eqn.primitive.name == "ffi_call":
-        found.append(eqn)
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        visit(sub)
-
-  visit(jaxpr.jaxpr)
-  return found
+  return [eqn for eqn in equations(jaxpr) if eqn.primitive.name == "ffi_call"]
 
 
 def _primitives(jaxpr) -> set:
-  names = set()
-
-  def visit(j):
-    for eqn in j.eqns:
-      names.add(eqn.primitive.name)
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        visit(sub)
-
-  visit(jaxpr.jaxpr)
-  return names
+  return {eqn.primitive.name for eqn in equations(jaxpr)}
 
 
 @pytest.mark.parametrize("x_dtype", [E4M3, E5M2])

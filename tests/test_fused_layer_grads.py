@@ -7,27 +7,18 @@ manual axes the custom_vjp expects, so the backward failed to trace on a one-GPU
 The GPU is faked by patching the platform check; nothing here runs a kernel."""
 import flax.linen as nn
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxflux
 from conftest import mesh_of
+from jaxpr_util import equations
 
 
 def _ffi_targets(jaxpr) -> list[str]:
-  found = []
-
-  def visit(j):
-    for eqn in j.eqns:
-      if eqn.primitive.name == "ffi_call":
-        found.append(eqn.params["target_name"])
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        visit(sub)
-
-  visit(jaxpr.jaxpr)
-  return found
+  return [eqn.params["target_name"] for eqn in equations(jaxpr)
+          if eqn.primitive.name == "ffi_call"]
 
 
 class _Mlp(nn.Module):

@@ -3,7 +3,6 @@ picks, and that its FFI call is typed like the XLA path under shard_map, so jax.
 (an earlier version typed x_full as unvarying and the custom_vjp backward failed on GPU only).
 The GPU is faked by patching the platform check; nothing here runs the kernel."""
 import jax
-import jax.extend
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -13,6 +12,7 @@ from jaxflux import _runtime, tuning
 from jaxflux.ops import _fused, _platform
 from jaxflux.ops.gemm import gemm
 from conftest import make_mesh
+from jaxpr_util import equations
 
 
 @pytest.fixture
@@ -85,17 +85,9 @@ def test_auto_takes_fused_only_where_measured_ahead(fake_gpu, tp, rows, fused):
 
 def _ffi_calls(jaxpr) -> list:
   """(target name, attributes) of every ffi_call in a closed jaxpr, nested ones included."""
-  calls = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "ffi_call":
-        calls.append((eqn.params["target_name"],
-                      {k: int(v) for k, v in dict(eqn.params["attributes"]).items()}))
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        walk(sub)
-  walk(jaxpr.jaxpr)
-  return calls
+  return [(eqn.params["target_name"],
+           {k: int(v) for k, v in dict(eqn.params["attributes"]).items()})
+          for eqn in equations(jaxpr) if eqn.primitive.name == "ffi_call"]
 
 
 def test_gemm_rejects_unknown_kernel():
@@ -253,16 +245,10 @@ def test_backward_hands_the_weights_over_untransposed(fake_gpu):
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
   jaxpr = jax.make_jaxpr(grad)(x, w1, w2)
   calls = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      assert eqn.primitive.name != "transpose", eqn
-      if eqn.primitive.name == "ffi_call":
-        attrs = dict(eqn.params["attributes"])
-        calls.append((eqn.params["target_name"], int(attrs["transpose_w"])))
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        walk(sub)
-  walk(jaxpr.jaxpr)
+  for eqn in equations(jaxpr):
+    assert eqn.primitive.name != "transpose", eqn
+    if eqn.primitive.name == "ffi_call":
+      calls.append((eqn.params["target_name"], int(dict(eqn.params["attributes"])["transpose_w"])))
   assert calls == [("jaxflux_all_gather_matmul", 0), ("jaxflux_matmul_reduce_scatter", 0),
                    ("jaxflux_all_gather_matmul", 1), ("jaxflux_matmul_reduce_scatter", 1)]
 
