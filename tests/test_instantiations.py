@@ -60,6 +60,7 @@ def test_two_all_gather_matmul_tile_configs_per_dtype_and_layout(generator):
     ("ag_gemm_sm90", (r"JAXFLUX_DECLARE_AG_GEMM\({}\)", r"JAXFLUX_AG_GEMM_ENTRY\({}\)")),
     ("rs_gemm_sm90", (r"\bRsGemmWorkspaceBytes_{}\(", r"\bRsGemmRun_{}\(")),
     ("gemm_sm90", (r"\bGemmWorkspaceBytes_{}\(", r"\bGemmRun_{}\(")),
+    ("gemm_swap_ab_sm90", (r"JAXFLUX_DECLARE_SWAP_AB\({}\)", r"JAXFLUX_SWAP_AB_ENTRY\({}\)")),
 ])
 def test_the_dispatch_table_lists_every_instance(generator, kernel, patterns):
   dispatch = (KERNELS / f"{kernel}_dispatch.cu").read_text()
@@ -83,3 +84,17 @@ def test_the_all_gather_matmul_table_is_in_enum_order(generator):
   expected += [f"{dtype}_{tiles}_kmajor" for dtype in generator.FP8_DTYPES
                for tiles in generator.AG_GEMM_FP8_TILES]
   assert listed == expected
+
+
+def test_the_decode_gemm_table_is_in_enum_order(generator):
+  # kTable[dtype][B K-major][token width], GemmDtype order; FP8 K-major only.
+  dispatch = (KERNELS / "gemm_swap_ab_sm90_dispatch.cu").read_text()
+  table = dispatch[dispatch.index("kTable"):]
+  listed = re.findall(r"JAXFLUX_SWAP_AB_ENTRY\((\w+)\)", table)
+  widths = generator.SWAP_AB_WIDTHS
+  expected = [f"{dtype}_{layout}_t{w}" for dtype in generator.DTYPES
+              for layout in ("nmajor", "kmajor") for w in widths]
+  expected += [f"{dtype}_kmajor_t{w}" for dtype in generator.FP8_DTYPES for w in widths]
+  assert listed == expected
+  header = (KERNELS / "gemm_swap_ab_sm90.h").read_text()
+  assert f"kSwapAbTokenWidths[] = {{{', '.join(map(str, widths))}}}" in header

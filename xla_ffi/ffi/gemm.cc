@@ -1,8 +1,8 @@
 // jaxflux_gemm: the GEMMs of the fused ops with communication off, D[..., M, N] = A[..., M, K] ·
 // B[K, N] (B [N, K] with transpose_w; leading axes of A fold into M). A benchmark feature: it
 // measures what fusion costs each GEMM against XLA's dot (cuBLAS).
-//   kernel 0: CUTLASS's GEMM (GEMM+ReduceScatter's peer rows, GEMM+AllReduce): tile 0 the
-//             persistent 128x256 one, tile 1 stream-K 128x128;
+//   kernel 0: CUTLASS's GEMM (GEMM+ReduceScatter's peer rows, GEMM+AllReduce): `tile` a
+//             GemmTiles (0 persistent 128x256, 1 stream-K 128x128, 2 the swap-AB decode GEMM);
 //   kernel 1: the AllGather+GEMM kernel with its waits off (one shard, no rotation);
 //   kernel 2: GEMM+ReduceScatter's own-rows kernel with its waits off, D = A·B + C.
 // The kernel's choices (tile, schedule, swizzle, grid) come as attributes, chosen by
@@ -99,7 +99,7 @@ ffi::Error CheckChoices(int64_t kernel, int64_t transpose_w, int64_t tile,
   JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "kernel", kernel, {kCutlass, kAllGatherMatmul,
                                                               kOwnRows}));
   JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "transpose_w", transpose_w, {0, 1}));
-  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "tile", tile, {0, 1}));
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "tile", tile, {0, 1, 2}));
   JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "own_rows_schedule", own_rows_schedule, {0, 1}));
   JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "push_chunks", push_chunks, {0, 1}));
   JAXFLUX_RETURN_IF_ERROR(CheckSwizzle(kOp, "swizzle", swizzle));
@@ -142,10 +142,12 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
   void* workspace = nullptr;
   const char* failure = nullptr;
   if (kernel == kCutlass) {
-    problem.streamk = tile == 1;
+    problem.tiles = static_cast<GemmTiles>(tile);
     JAXFLUX_RETURN_IF_ERROR(
         AllocateScratch(kOp, scratch, GemmSm90WorkspaceBytes(dtype, problem), &workspace));
     failure = GemmSm90(dtype, problem, workspace, stream);
+  } else if (tile >= kAgGemmNumConfigs) {
+    return InvalidAttr(kOp, "tile", tile, "kernels 1 and 2 take 0 or 1");
   } else if (kernel == kAllGatherMatmul) {  // one shard (no rotation), waits off
     AgGemmProblem fused{};
     fused.gemm = problem;
@@ -193,7 +195,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()                     // d: [..., M, N]
         .Attr<int64_t>("kernel")                        // 0 CUTLASS, 1 AG+GEMM, 2 own rows
         .Attr<int64_t>("transpose_w")                   // 1: b is [N, K], read K-major
-        .Attr<int64_t>("tile")                          // 0: 1 stream-K; 1: AgGemmConfig
+        .Attr<int64_t>("tile")                          // 0: GemmTiles; 1: AgGemmConfig
         .Attr<int64_t>("own_rows_schedule")             // kernel 2: 0 cooperative, 1 ping-pong
         .Attr<int64_t>("push_chunks")                   // kernel 2: 1 tiles along N, as chunked
         .Attr<int64_t>("swizzle")                       // 1, 2, 4 or 8

@@ -12,9 +12,11 @@
 //     recv[0..tp) in rank order with fp32 accumulation into out; then a join with the side
 //     stream (recv[r] must not be rewritten before its copies are done).
 // Every rank sums the same 16-bit partials in the same order with one rounding, so the replicas
-// are bitwise identical across the group. The GEMM is CUTLASS's stock persistent GEMM, or its
-// stream-K GEMM for few output tiles (decode); which one, the push and the swizzle are chosen by
-// jaxflux/tuning and passed as attributes.
+// are bitwise identical across the group. The GEMM is CUTLASS's stock persistent GEMM, its
+// stream-K GEMM, or the swap-AB decode GEMM for few rows (GemmTiles); which one, the push and the
+// swizzle are chosen by jaxflux/tuning and passed as attributes.
+// FP8 (x e4m3/e5m2, w e4m3 given [N, k], out bf16): the GEMM applies x's row scales and w's
+// column scales in its epilogue, and the partials pushed and summed are bf16.
 // Slot reuse: a peer writes recv[.][e%2] here again at e+2 only after its reduction of e+1,
 // which waited for our last flag of e+1, written after our GEMMs of e+1, which follow our
 // reduction of e on our stream; our own recv[r] is rewritten at e+2 after the join of e.
@@ -57,9 +59,6 @@ ffi::Error Fail(const std::string& what) { return OpError(kOp, what); }
 ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer out, int64_t tp,
                        int64_t transpose_w, MatmulOperands* s) {
   JAXFLUX_RETURN_IF_ERROR(ReadMatmulOperands(kOp, x, w, out, transpose_w, s));
-  if (IsFp8(s->dtype)) {
-    return ffi::Error::InvalidArgument("jaxflux matmul_all_reduce: FP8 operands are not supported");
-  }
   if (tp < 2 || tp > kReduceMaxRanks) {
     return InvalidAttr(kOp, "tp", tp, "must be in 2.." + std::to_string(kReduceMaxRanks));
   }
@@ -71,13 +70,14 @@ ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer out, i
 
 ffi::Error GemmAr(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator scratch,
                   RankState* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                  ffi::Buffer<ffi::S32> rank_info, ffi::Result<ffi::AnyBuffer> out, int64_t tp,
+                  ffi::Buffer<ffi::S32> rank_info, ffi::RemainingArgs scales,
+                  ffi::Result<ffi::AnyBuffer> out, int64_t tp,
                   int64_t num_groups, int64_t site, int64_t generation, int64_t debug_skip_rank,
                   int64_t transpose_w, int64_t tile, int64_t push_chunks, int64_t swizzle,
                   int64_t grid_sms) {
   MatmulOperands s;
   JAXFLUX_RETURN_IF_ERROR(CheckInputs(x, w, *out, tp, transpose_w, &s));
-  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "tile", tile, {0, 1}));
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "tile", tile, {0, 1, 2}));
   JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "push_chunks", push_chunks, {0, 1}));
   if (push_chunks == 1 && s.batch != 1) {
     return InvalidAttr(kOp, "push_chunks", push_chunks,
@@ -86,8 +86,12 @@ ffi::Error GemmAr(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   }
   JAXFLUX_RETURN_IF_ERROR(CheckSwizzle(kOp, "swizzle", swizzle));
   JAXFLUX_RETURN_IF_ERROR(CheckGridSms(kOp, grid_sms));
+  const float* row_scale = nullptr;  // FP8: x's, one per row; w's, one per column
+  const float* col_scale = nullptr;
+  JAXFLUX_RETURN_IF_ERROR(
+      Fp8Scales(kOp, s.dtype, scales, s.batch * s.rows, s.n, &row_scale, &col_scale));
 
-  const size_t partial_bytes = s.batch * s.rows * s.n * s.elem;  // x · w, every row
+  const size_t partial_bytes = s.batch * s.rows * s.n * s.out_elem;  // x · w, every row
   const size_t slot_bytes = (partial_bytes + 255) / 256 * 256;
   GroupCall call(kOp, stream, ordinal);
   JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
@@ -117,8 +121,12 @@ ffi::Error GemmAr(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   problem.batch_stride_d = static_cast<int64_t>(s.rows * s.n);
   problem.swizzle = static_cast<int>(swizzle);
   problem.grid_sms = static_cast<int>(grid_sms);
-  problem.streamk = tile == 1;
+  problem.tiles = static_cast<GemmTiles>(tile);
+  problem.col_scale = col_scale;
+  problem.batch_stride_row_scale = static_cast<int64_t>(s.rows);
+  problem.fast_accum = kFp8FastAccum;
   // The largest chunk sizes the CUTLASS scratch (stream-K's partial tiles scale with it).
+  problem.row_scale = row_scale;
   size_t largest = 0;
   for (int c = 0; c < chunks.count; ++c) {
     largest = std::max(largest, chunks.ends[c] - (c == 0 ? 0 : chunks.ends[c - 1]));
@@ -128,7 +136,7 @@ ffi::Error GemmAr(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   JAXFLUX_RETURN_IF_ERROR(
       AllocateScratch(kOp, scratch, GemmSm90WorkspaceBytes(s.dtype, problem), &gemm_workspace));
 
-  const size_t out_row = s.n * s.elem;
+  const size_t out_row = s.n * s.out_elem;
   const char* x_base = static_cast<const char*>(x.untyped_data());
   char* own = recv(rank, rank);
   for (int c = 0; c < chunks.count; ++c) {
@@ -136,6 +144,7 @@ ffi::Error GemmAr(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
     problem.m = static_cast<int>(chunks.ends[c] - row0);
     problem.a = x_base + row0 * s.k * s.elem;
     problem.d = own + row0 * out_row;
+    if (row_scale != nullptr) problem.row_scale = row_scale + row0;
     if (const char* failure = GemmSm90(s.dtype, problem, gemm_workspace, stream)) {
       return Fail(failure);
     }
@@ -162,8 +171,8 @@ ffi::Error GemmAr(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   JAXFLUX_CUDA(LaunchWaitReduce(params, 2 * std::max(res->sm_count, 1), stream));
   JAXFLUX_RETURN_IF_ERROR(call.JoinSide());
   return call.Finish([&] {
-    return StrFormat("batch %zu, M=%zu N=%zu k=%zu, %s GEMM, %d push chunks", s.batch, s.rows,
-                     s.n, s.k, problem.streamk ? "stream-K" : "persistent", chunks.count);
+    return StrFormat("batch %zu, M=%zu N=%zu k=%zu, GEMM tiles %d, %d push chunks", s.batch,
+                     s.rows, s.n, s.k, static_cast<int>(tile), chunks.count);
   });
 }
 
@@ -180,6 +189,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::AnyBuffer>()                     // x: [..., M, k]
         .Arg<xla::ffi::AnyBuffer>()                     // w: [k, N] or [N, k]
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank_info
+        .RemainingArgs()                                // FP8: x's row and w's column scales
         .Ret<xla::ffi::AnyBuffer>()                     // out: [..., M, N]
         .Attr<int64_t>("tp")
         .Attr<int64_t>("num_groups")
@@ -187,7 +197,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("generation")
         .Attr<int64_t>("debug_skip_rank")
         .Attr<int64_t>("transpose_w")   // 1: w is [N, k], the weight transposed
-        .Attr<int64_t>("tile")          // 0 persistent 128x256, 1 stream-K 128x128
+        .Attr<int64_t>("tile")          // GemmTiles: 0 persistent, 1 stream-K, 2 swap-AB decode
         .Attr<int64_t>("push_chunks")   // 1: the partial in even row chunks
         .Attr<int64_t>("swizzle")       // 1, 2, 4 or 8
         .Attr<int64_t>("grid_sms"));    // 0: all SMs

@@ -37,7 +37,7 @@ struct TileConfig {
 };
 
 using DefaultTiles = TileConfig<128, 256, 2, 1, false>;
-// GemmProblem::streamk: narrower tiles, no cluster, CUTLASS's stream-K scheduler.
+// GemmTiles::kStreamK128x128: narrower tiles, no cluster, CUTLASS's stream-K scheduler.
 using StreamKTiles = TileConfig<128, 128, 1, 1, false>;
 
 // B's layouts: [K,N] row-major (N-major), or given as Bᵀ [N,K] row-major (K-major).
@@ -186,7 +186,8 @@ const char* Run(const GemmProblem& p, void* workspace, cudaStream_t stream) {
   }                                                                                          \
   }  // namespace jaxflux
 
-// The stream-K entry points of one element type (GemmProblem::streamk); NAME = streamk_<dtype>.
+// The stream-K entry points of one element type (GemmTiles::kStreamK128x128);
+// NAME = streamk_<dtype>.
 #define JAXFLUX_GEMM_STREAMK_INSTANCE(NAME, ELEMENT)                                         \
   namespace jaxflux {                                                                        \
   size_t GemmWorkspaceBytes_##NAME(const GemmProblem& problem) {                      \

@@ -26,6 +26,19 @@ constexpr bool IsFp8(GemmDtype dtype) {
 // registers every 4 k-blocks took 3.0-3.3x the time with 128x256 tiles (docs/design.md, "FP8").
 inline constexpr bool kFp8FastAccum = true;
 
+// GemmSm90's kernels, the `tile` attribute of GEMM+AllReduce and of the GEMM-only kernel 0.
+enum class GemmTiles {
+  // CUTLASS's persistent GEMM, 128x256 tiles, 2x1 clusters: many output tiles (prefill).
+  kPersistent128x256 = 0,
+  // CUTLASS's stream-K scheduler on 128x128 tiles: fewer output tiles than SMs, so K is split
+  // across SMs and every SM reads its share of B.
+  kStreamK128x128 = 1,
+  // The decode GEMM (gemm_swap_ab_sm90.h): Dᵀ = Bᵀ·Aᵀ, B's N on the 128-row side of the tile
+  // and A's few rows on the narrow side, stream-K across SMs.
+  kSwapAB = 2,
+};
+inline constexpr int kGemmNumTiles = 3;
+
 struct GemmProblem {
   const void* a;  // [m, k] row-major (rows contiguous, leading dimension k)
   const void* b;  // [k, n] row-major (or [n, k] with b_kmajor), shared by every batch entry
@@ -44,10 +57,8 @@ struct GemmProblem {
   // SMs the persistent grid is sized for: 0 all of the device's, n > 0 min(n, SMs). Fewer leave
   // SMs free for other streams' kernels (tests run two ranks on one GPU this way).
   int grid_sms = 0;
-  // Stream-K 128x128 tiles instead of the stock 128x256 ones: CUTLASS's stream-K scheduler splits
-  // K across SMs when there are fewer output tiles than SMs (few rows: decode), so every SM reads
-  // its share of B. Only GemmSm90 takes it (GEMM+AllReduce and the GEMM-only kernel 0).
-  bool streamk = false;
+  // The kernel's tiles (GemmSm90 only: GEMM+AllReduce and the GEMM-only kernel 0).
+  GemmTiles tiles = GemmTiles::kPersistent128x256;
   // FP8 kinds only: D = (A·B) * row_scale[m] * col_scale[n] in fp32, then rounded to bf16.
   const float* row_scale = nullptr;  // [batch][m], entries batch_stride_row_scale apart
   int64_t batch_stride_row_scale = 0;

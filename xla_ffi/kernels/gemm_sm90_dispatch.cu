@@ -1,7 +1,9 @@
-// Dispatch of CUTLASS's sm90 GEMM over the element type (16-bit or FP8) and scheduler (stock
-// persistent or stream-K; FP8: persistent only), to the instantiations in instantiations/gemm_sm90_*.cu. No CUTLASS here (compiles
-// fast).
+// Dispatch of CUTLASS's sm90 GEMM over the element type (16-bit or FP8) and tiles (GemmTiles:
+// persistent, stream-K (16-bit only) or the swap-AB decode GEMM, gemm_swap_ab_sm90_dispatch.cu),
+// to the instantiations in instantiations/gemm_sm90_*.cu. No CUTLASS here (compiles fast).
 #include "xla_ffi/kernels/gemm_sm90.h"
+
+#include "xla_ffi/kernels/gemm_swap_ab_sm90.h"
 
 namespace jaxflux {
 
@@ -19,31 +21,44 @@ const char* GemmRun_e4m3(const GemmProblem& problem, void* workspace, cudaStream
 const char* GemmRun_e5m2(const GemmProblem& problem, void* workspace, cudaStream_t stream);
 
 size_t GemmSm90WorkspaceBytes(GemmDtype dtype, const GemmProblem& problem) {
-  if (IsFp8(dtype)) {  // no FP8 stream-K build: GemmSm90 refuses it
-    if (problem.streamk) return 0;
-    return dtype == GemmDtype::kE4M3 ? GemmWorkspaceBytes_e4m3(problem)
-                                     : GemmWorkspaceBytes_e5m2(problem);
+  switch (problem.tiles) {
+    case GemmTiles::kSwapAB:
+      return GemmSwapAbSm90WorkspaceBytes(dtype, problem);
+    case GemmTiles::kStreamK128x128:
+      if (IsFp8(dtype)) return 0;  // no FP8 stream-K build: GemmSm90 refuses it
+      return dtype == GemmDtype::kF16 ? GemmWorkspaceBytes_streamk_f16(problem)
+                                      : GemmWorkspaceBytes_streamk_bf16(problem);
+    default:
+      break;
   }
-  const bool f16 = dtype == GemmDtype::kF16;
-  if (problem.streamk) {
-    return f16 ? GemmWorkspaceBytes_streamk_f16(problem) : GemmWorkspaceBytes_streamk_bf16(problem);
+  switch (dtype) {
+    case GemmDtype::kE4M3: return GemmWorkspaceBytes_e4m3(problem);
+    case GemmDtype::kE5M2: return GemmWorkspaceBytes_e5m2(problem);
+    case GemmDtype::kF16: return GemmWorkspaceBytes_f16(problem);
+    default: return GemmWorkspaceBytes_bf16(problem);
   }
-  return f16 ? GemmWorkspaceBytes_f16(problem) : GemmWorkspaceBytes_bf16(problem);
 }
 
 const char* GemmSm90(GemmDtype dtype, const GemmProblem& problem, void* workspace,
                      cudaStream_t stream) {
-  if (IsFp8(dtype)) {
-    if (problem.streamk) return "no FP8 stream-K GEMM is built";
-    return dtype == GemmDtype::kE4M3 ? GemmRun_e4m3(problem, workspace, stream)
-                                     : GemmRun_e5m2(problem, workspace, stream);
+  switch (problem.tiles) {
+    case GemmTiles::kSwapAB:
+      return GemmSwapAbSm90(dtype, problem, workspace, stream);
+    case GemmTiles::kStreamK128x128:
+      if (IsFp8(dtype)) return "no FP8 stream-K GEMM is built";
+      return dtype == GemmDtype::kF16 ? GemmRun_streamk_f16(problem, workspace, stream)
+                                      : GemmRun_streamk_bf16(problem, workspace, stream);
+    case GemmTiles::kPersistent128x256:
+      break;
+    default:
+      return "unknown GemmTiles";
   }
-  const bool f16 = dtype == GemmDtype::kF16;
-  if (problem.streamk) {
-    return f16 ? GemmRun_streamk_f16(problem, workspace, stream)
-               : GemmRun_streamk_bf16(problem, workspace, stream);
+  switch (dtype) {
+    case GemmDtype::kE4M3: return GemmRun_e4m3(problem, workspace, stream);
+    case GemmDtype::kE5M2: return GemmRun_e5m2(problem, workspace, stream);
+    case GemmDtype::kF16: return GemmRun_f16(problem, workspace, stream);
+    default: return GemmRun_bf16(problem, workspace, stream);
   }
-  return f16 ? GemmRun_f16(problem, workspace, stream) : GemmRun_bf16(problem, workspace, stream);
 }
 
 }  // namespace jaxflux

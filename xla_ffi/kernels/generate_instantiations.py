@@ -33,11 +33,14 @@ AG_GEMM_FP8_TILES = {
     "cooperative_128x256_cluster2x1": "Fp8Cooperative128x256Cluster2x1",
     "pingpong_128x128_cluster1x2": "Fp8Pingpong128x128Cluster1x2",
 }
+# The decode GEMM's token widths (kSwapAbTokenWidths, gemm_swap_ab_sm90.h) and weight layouts.
+SWAP_AB_WIDTHS = (16, 32, 64)
+SWAP_AB_LAYOUTS = {"nmajor": "NMajorW", "kmajor": "KMajorW"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Instance:
-  kernel: str   # "ag_gemm_sm90", "rs_gemm_sm90" or "gemm_sm90"
+  kernel: str   # "ag_gemm_sm90", "rs_gemm_sm90", "gemm_sm90" or "gemm_swap_ab_sm90"
   name: str     # the symbol suffix of its entry points
   text: str
 
@@ -92,6 +95,26 @@ def instances() -> list[Instance]:
         "// (gemm_sm90.cuh).\n"
         '#include "xla_ffi/kernels/gemm_sm90.cuh"\n\n'
         f"JAXFLUX_GEMM_STREAMK_INSTANCE(streamk_{dtype}, {element})\n")))
+  out.extend(_swap_ab_instances())
+  return out
+
+
+def _swap_ab_instances() -> list[Instance]:
+  """The decode GEMM: 16-bit weights in both layouts, FP8 (e4m3 weight, K-major) per x type."""
+  kinds = [(dtype, element, element, layout) for dtype, element in DTYPES.items()
+           for layout in SWAP_AB_LAYOUTS]
+  kinds += [(dtype, "cutlass::float_e4m3_t", element, "kmajor")
+            for dtype, element in FP8_DTYPES.items()]
+  out = []
+  for dtype, element_w, element_x, layout in kinds:
+    for width in SWAP_AB_WIDTHS:
+      name = f"{dtype}_{layout}_t{width}"
+      out.append(Instance("gemm_swap_ab_sm90", name, (
+          f"{HEADER}// The decode GEMM, {dtype}, {layout} weight, {width}-token tiles "
+          "(gemm_swap_ab_sm90.cuh).\n"
+          '#include "xla_ffi/kernels/gemm_swap_ab_sm90.cuh"\n\n'
+          f"JAXFLUX_GEMM_SWAP_AB_INSTANCE({name}, {element_w}, {element_x},\n"
+          f"                              {SWAP_AB_LAYOUTS[layout]}, {width})\n")))
   return out
 
 
