@@ -19,7 +19,8 @@
 #           gpu_tests_<tier>.xml (JUnit) holds what tests record, e.g. test_fp8_gpu.py's error
 #           per case.
 #   tables  the benchmark tables: the single-GPU GEMM tables (h200_gemm_table.json,
-#           h200_gemm_all_reduce.json, and the FP8 one, h200_fp8_gemm.json); with two or more
+#           h200_gemm_all_reduce.json, h200_gemm_decode.json, and the FP8 one,
+#           h200_fp8_gemm.json); with two or more
 #           GPUs also both fused ops and the all-gather against XLA at tp=2. TABLES narrows
 #           them by output name (e.g. TABLES=h200_fp8_gemm).
 #   train   the training example (llama70b-8l preset, $TRAIN_STEPS steps, default 60) in modes
@@ -95,6 +96,7 @@ bench() {  # output name, then the benchmark's arguments; prints the table's lin
 if stage tables; then
   bench h200_gemm_table --op gemm --of ag_gemm,gemm_rs
   bench h200_gemm_all_reduce --op gemm --of gemm_ar
+  bench h200_gemm_decode --op gemm --of gemm_ar --M 1,8,16,32,64,128
   # XLA compiles and autotunes each new FP8 shape for 10-40 s: the 32 rows need more than one
   # call's time on a fresh machine; FP8_OF / FP8_M narrow them (e.g. FP8_OF=ag_gemm FP8_M=2048,4096).
   bench h200_fp8_gemm --op gemm --of "${FP8_OF:-ag_gemm,gemm_rs}" ${FP8_M:+--M "$FP8_M"} \

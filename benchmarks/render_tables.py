@@ -104,8 +104,11 @@ def render_ops(results: pathlib.Path) -> str:
   return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
 
 
-GEMM_FILES = (("h200_gemm_table.json", (("ag_gemm", "AG+GEMM"), ("gemm_rs", "GEMM+RS"))),
-              ("h200_gemm_all_reduce.json", (("gemm_ar", "GEMM+AR"),)))
+# (file, family, label, which rows): the decode rows of GEMM+AllReduce come from their own run.
+GEMM_FILES = (("h200_gemm_table.json", "ag_gemm", "AG+GEMM", None),
+              ("h200_gemm_table.json", "gemm_rs", "GEMM+RS", None),
+              ("h200_gemm_all_reduce.json", "gemm_ar", "GEMM+AR, M > 128", lambda m: m > 128),
+              ("h200_gemm_decode.json", "gemm_ar", "GEMM+AR, M ≤ 128", lambda m: m <= 128))
 
 
 def _decode_rates(rows: list[dict]) -> str:
@@ -120,30 +123,35 @@ def _decode_rates(rows: list[dict]) -> str:
           f"{min(rates['gemm_only']):.1f}–{max(rates['gemm_only']):.1f} TB/s.\n")
 
 
+def _ratio_cell(rows: list[dict], key: str) -> str:
+  """mean (worst, its row) of a ratio over the rows that have it, or a dash."""
+  pairs = [(r["ratios"][key], f"{r['name']} M={r['M']}") for r in rows
+           if r["ratios"].get(key) is not None]
+  if not pairs:
+    return "—"
+  worst = max(pairs)
+  return f"{statistics.fmean(p for p, _ in pairs):.3f} ({worst[0]:.3f}, {worst[1]})"
+
+
 def render_gemm(results: pathlib.Path) -> str:
   lines = ["| GEMM of (per device, tp=2) | rows | GEMM-only / cuBLAS: mean (worst) | "
            "own rows with C / cuBLAS without C: mean (worst) |", "|---|---|---|---|"]
   notes, decode = [], ""
-  for name, families in GEMM_FILES:
+  for name, of, label, which in GEMM_FILES:
     data = load(results, name)
     if data is None:
-      notes.append(NOT_MEASURED.format(f"benchmarks/results/{name}").rstrip("\n"))
+      note = NOT_MEASURED.format(f"benchmarks/results/{name}").rstrip("\n")
+      notes += [] if note in notes else [note]
       continue
     runs, rows = _table_rows(data)
-    summary = runs[0].get("summary", {})
-    for of, label in families:
-      stats = summary.get(of)
-      if not stats:
-        continue
-      cells = []
-      for key in ("gemm_only_vs_xla", "own_rows_vs_xla_own_rows"):
-        s = stats.get(key)
-        cells.append("—" if not s or s["mean"] is None else
-                     f"{s['mean']:.3f} ({s['worst']:.3f}, {s['worst_row']})")
-      count = stats["gemm_only_vs_xla"]["of_rows"]
-      lines.append(f"| {label} | {count} | {cells[0]} | {cells[1]} |")
-    notes.append(f"`benchmarks/results/{name}`: {_provenance(runs[0])}.")
-    decode += _decode_rates(rows)
+    mine = [r for r in rows if r.get("of") == of and (which is None or which(r["M"]))]
+    if not mine:
+      continue
+    cells = [_ratio_cell(mine, key) for key in ("gemm_only_vs_xla", "own_rows_vs_xla_own_rows")]
+    lines.append(f"| {label} | {len(mine)} | {cells[0]} | {cells[1]} |")
+    note = f"`benchmarks/results/{name}`: {_provenance(runs[0])}."
+    notes += [] if note in notes else [note]
+    decode += _decode_rates(mine)
   return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n" + ("\n" + decode if decode else "")
 
 

@@ -7,7 +7,8 @@ pushed into the history). `nn.Fp8DotGeneralOp` is the same math written as quant
 so one recipe serves both classes. The bookkeeping calls Flax's own public functions
 (`update_fp8_meta`, `quantize`), so the six `_overwrite_with_gradient` variables update exactly
 as under `flax.linen.Dense`; only the matmuls change: they run through
-`jaxflux.all_gather_matmul` / `jaxflux.matmul_reduce_scatter` with FP8 operands and scales.
+`jaxflux.all_gather_matmul` / `jaxflux.matmul_reduce_scatter` / `jaxflux.matmul_all_reduce`
+with FP8 operands and scales.
 
 Per device, inside the layer's shard_map (`_tensor_parallel.py`), one `jax.custom_vjp`:
 
@@ -22,10 +23,10 @@ Per device, inside the layer's shard_map (`_tensor_parallel.py`), one `jax.custo
 
 Every op call passes the weight with `transpose_w=True` (K-major, the layout FP8 GEMMs read):
 the forward q_kᵀ [n, K] and the backward q_k [K, n] both come out of the one quantizing pass.
-Without sequence parallelism (tokens replicated) no op takes FP8 (GEMM+AllReduce does not):
-the same recipe runs with local XLA FP8 dots and, for a row layer, a `lax.psum`, the
-communication the bfloat16 layer's XLA path has, so that `sequence_parallel=False` models can
-use FP8 too.
+Without sequence parallelism (tokens replicated) a row layer's forward is
+`matmul_all_reduce(q_x, q_kᵀ)`; the rest runs local XLA FP8 dots: a column layer's forward
+needs no communication, a row layer's dX neither (dY arrives whole on every device), and a
+column layer's partial dX is summed by a `lax.psum`, as the bfloat16 layer's backward does.
 """
 
 from __future__ import annotations
@@ -131,6 +132,8 @@ def _fp8_bwd(config, residuals, dy):
     dx, g_rows = ops.all_gather_matmul(q_g, q_k, config.axis_name, return_gathered=True,
                                        x_scale=g_scale, w_scale=k_scale, **fp8)
   else:
+    # Without sequence parallelism: a row layer's dX is local (dY is whole on every device); a
+    # column layer's is a partial sum, summed over the axis by the cast_to_vma below.
     dx = _scaled_dot(q_g, q_k, g_scale * k_scale, contract=(q_g.ndim - 1, 1), dtype=comp)
     g_rows = q_g
   # dW: a local FP8 dot of the saved (gathered) input and the gradient's rows, in float32.
@@ -168,10 +171,10 @@ def _forward(config, x, kernel, s_x, s_k, h_x, h_k, *, want_residuals):
       y = ops.all_gather_matmul(q_x, q_kt, config.axis_name, **fp8)
   elif config.mode == "row" and config.sequence_parallel:
     y = ops.matmul_reduce_scatter(q_x, q_kt, config.axis_name, **fp8)
+  elif config.mode == "row":  # each device holds a partial sum over its input features
+    y = ops.matmul_all_reduce(q_x, q_kt, config.axis_name, **fp8)
   else:
     y = _scaled_dot(q_x, q_k, x_scale * k_scale, contract=(q_x.ndim - 1, 0), dtype=comp)
-    if config.mode == "row":  # each device holds a partial sum over its input features
-      y = lax.psum(y, config.axis_name)
   return y, (x_saved, q_k, x_scale, k_scale), (s_x, s_k, h_x, h_k)
 
 

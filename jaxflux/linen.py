@@ -137,8 +137,9 @@ class Dense(nn.Dense):
   them with their gradients after each step, as with Flax), the same delayed-scaling updates
   with the amax taken over the whole (global) tensor, e4m3 forward and e5m2 output
   gradient. The matmul runs in the kernel's dtype (after ``dtype`` promotion), as Flax's.
-  With ``sequence_parallel=False`` the recipe runs with local XLA FP8 matmuls (and, for a
-  row layer, an all-reduce): ``jaxflux.matmul_all_reduce`` takes no FP8.
+  With ``sequence_parallel=False`` a row layer's forward runs the FP8
+  ``jaxflux.matmul_all_reduce``; the rest (a column layer's forward, both backwards) needs no
+  communication and runs local XLA FP8 matmuls.
 
   Example usage::
 

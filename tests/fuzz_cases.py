@@ -19,7 +19,7 @@ jaxflux.tuning.override. Every case is one per-rank problem of one op at a group
   matmul_reduce_scatter  x [*b, tp*m, k], w [k, N] ([N, k]): z [*b, m, N], this rank's rows of
                          the sum over the ranks
   matmul_all_reduce      x [*b, m, k], w [k, N] ([N, k]): y [*b, m, N], the sum over the
-                         ranks, on every rank (the op takes no FP8)
+                         ranks, on every rank
 
 So `m` is always the per-rank token rows the op is about, `k` the contraction one rank holds and
 `n` the output columns one rank writes.
@@ -165,7 +165,7 @@ def draw_case(seed: int, op: str, index: int, tp: int) -> Case:
   """Case `index` of `op`, from its own generator: the same case whatever else is drawn."""
   rng = np.random.default_rng([seed, OPS.index(op), index])
   # The dtype cycles with the index, so any few consecutive cases cover every kind.
-  kinds = ("bfloat16", "float16") + (() if op == "matmul_all_reduce" else ("fp8",))
+  kinds = ("bfloat16", "float16", "fp8")
   dtype = kinds[index % len(kinds)]
   if dtype == "fp8":
     dtype = ("float8_e4m3fn", "float8_e5m2")[int(rng.integers(2))]
@@ -190,7 +190,9 @@ def draw_case(seed: int, op: str, index: int, tp: int) -> Case:
 # the table picks only for shapes past its budget too: the fuzz's all-gather GEMMs all fill
 # under 4 waves, where the table always takes the ping-pong tile.
 AG_TILES = ("cooperative_128x256_cluster2x1", "pingpong_128x128_cluster1x2")
-AR_TILES = ("cooperative_128x256_cluster2x1", "cooperative_128x128_streamk")
+AR_TILES = ("cooperative_128x256_cluster2x1", "cooperative_128x128_streamk",
+            "swap_ab_streamk")
+AR_FP8_TILES = ("cooperative_128x256_cluster2x1", "swap_ab_streamk")  # no FP8 stream-K 128x128
 SWIZZLES = (1, 2, 4, 8)
 
 
@@ -212,7 +214,8 @@ def _tuning(rng, case: Case) -> tuple:
             ("own_rows_schedule", pick(("cooperative", "pingpong"))),
             ("own_rows_swizzle", pick(SWIZZLES)))
   chunked = unbatched and rng.random() < 0.5
-  return (("tile", pick(AR_TILES)), ("push", "chunked" if chunked else "whole"),
+  tiles = AR_FP8_TILES if case.fp8 else AR_TILES
+  return (("tile", pick(tiles)), ("push", "chunked" if chunked else "whole"),
           ("swizzle", pick(SWIZZLES)))
 
 

@@ -47,13 +47,9 @@ def reference(x, w):
 
 def bench_shapes(op: str) -> list:
   """pytest params (M, K, N) for every `op` shape of shapes.json at M in {1024, 8192}."""
-  for path in (ROOT.parent / "shared" / "bench" / "shapes.json",
-               ROOT / "benchmarks" / "shapes.json"):
-    if path.exists():
-      shapes = json.loads(path.read_text())[op]
-      return [pytest.param(M, s["K"], s["N"], id=f"{s['name']}-M{M}") for s in shapes
-              for M in (1024, 8192)]
-  return []
+  shapes = json.loads((ROOT / "benchmarks" / "shapes.json").read_text())[op]
+  return [pytest.param(M, s["K"], s["N"], id=f"{s['name']}-M{M}") for s in shapes
+          for M in (1024, 8192)]
 
 
 def check_back_to_back(f, make, calls: int = 200, every: int = 17) -> None:

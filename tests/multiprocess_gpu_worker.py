@@ -16,11 +16,13 @@ processes' GPUs:
     once too), batch dims, fp16, gradients and back-to-back calls against float32 NumPy; each
     process prints `DIGEST <case> <sha256>` of its copy of the output, which the test compares
     across processes (every rank must hold the same bits);
-  MODE=fp8: both fused ops on FP8 operands (x e4m3 or e5m2, w e4m3 given as [n, K] with
+  MODE=fp8: the three fused ops on FP8 operands (x e4m3 or e5m2, w e4m3 given as [n, K] with
     transpose_w=True), per-tensor scales that differ between the ranks and row-wise scales, odd
-    shapes and batch dims, against float32 NumPy on the dequantized values; all_gather_matmul
-    also returns x_full (the FP8 values, bit for bit), and every compiled program holds the
-    fused custom call and no XLA all-gather / reduce-scatter;
+    shapes (matmul_all_reduce: M of 1, 3, 17 and 100) and batch dims, against float32 NumPy on
+    the dequantized values; all_gather_matmul also returns x_full (the FP8 values, bit for
+    bit), every compiled program holds the fused custom call and no XLA all-gather /
+    reduce-scatter (matmul_all_reduce's: no all-reduce either), and matmul_all_reduce prints
+    `DIGEST <case> <sha256>` of each process's copy, as MODE=all_reduce does;
   MODE=fuzz: the reliability fuzz of tests/fuzz_cases.py: every process draws the same random
     cases of all three fused ops (per-rank rows tile-aligned, odd or a few, K and N from 8 to
     4096, batch dims, bf16, fp16 and FP8 with per-tensor and row / column scales, transpose_w,
@@ -202,15 +204,21 @@ def check_op(op, name, x_shape, w_shape, dtype=jnp.bfloat16, grads=False):
   out = f(xs, ws)
   check(f"{op} {name}", out, lambda i: x[i[:-1] + (slice(None),)] @ w[:, i[-1]], tol)
   if op == "ar":
-    for shard in out.addressable_shards:
-      data = np.ascontiguousarray(np.asarray(shard.data))
-      print(f"DIGEST {name} {hashlib.sha256(data.tobytes()).hexdigest()}", flush=True)
+    print_digest(name, out)
   if grads:
     ct = rng.standard_normal(x_shape[:-1] + w_shape[-1:]).astype(np.float32)
     loss = lambda x, w, ct: jnp.sum(f(x, w).astype(jnp.float32) * ct)  # noqa: E731
     dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, ws, global_array(ct, out_spec))
     check(f"{op} {name} gradient x", dx, ct @ w.T, tol)
     check(f"{op} {name} gradient w", dw, np.einsum("...mk,...mn->kn", x, ct), tol)
+
+
+def print_digest(name, out):
+  """`DIGEST <name> <sha256>` of this process's copy of a replicated output: the test compares
+  them across processes (every rank must hold the same bits)."""
+  for shard in out.addressable_shards:
+    data = np.ascontiguousarray(np.asarray(shard.data))
+    print(f"DIGEST {name} {hashlib.sha256(data.tobytes()).hexdigest()}", flush=True)
 
 
 def run_matrix():
@@ -286,14 +294,13 @@ def amax_scale(a, dtype, axis=None):
           ).astype(np.float32)
 
 
-def check_fp8_hlo(name, f, args, target):
-  """The compiled program runs the fused custom call and no XLA all-gather / reduce-scatter
-  (the scales too travel inside the kernel)."""
+def check_fp8_hlo(name, f, args, target, forbidden=("all-gather", "reduce-scatter")):
+  """The compiled program runs the fused custom call and none of the `forbidden` XLA
+  collectives (the scales too travel inside the kernel)."""
   import hlo_util  # tests/ is this script's folder
   text = f.lower(*args).compile().as_text()
   targets, counts = hlo_util.custom_call_targets(text), hlo_util.count_collectives(text)
-  if (any(t.startswith(target) for t in targets) and not counts.get("all-gather")
-          and not counts.get("reduce-scatter")):
+  if any(t.startswith(target) for t in targets) and not any(counts.get(c) for c in forbidden):
     print(f"PASS {name} hlo", flush=True)
   else:
     failures.append(f"{name} hlo: custom calls {targets}, collectives {counts}")
@@ -345,10 +352,11 @@ def check_fp8_ag(fmt, kind, batch, m, k, n):
   check_fp8_hlo(name, f, args, "jaxflux_all_gather_matmul")
 
 
-def check_fp8_rs(fmt, kind, batch, rows, k, n):
-  """matmul_reduce_scatter: every scale differs between the ranks (each quantizes its own slice
-  of K; rank r's slice of x is scaled by 4^r first), per tensor or per row / column."""
-  name = f"fp8 rs x={fmt} scales={kind} batch={batch} M={rows} k/rank={k} N={n}"
+def fp8_k_split(name, fmt, kind, batch, rows, k, n):
+  """Operands of an op with K split over the ranks (matmul_reduce_scatter, matmul_all_reduce):
+  every scale differs between the ranks (each quantizes its own slice of K; rank r's slice of x
+  is scaled by 4^r first), per tensor or per row / column. Returns the global arguments, their
+  in_specs and the float64 sum of the ranks' dequantized products."""
   rng = np.random.default_rng(len(name) + rows + k)
   dtype, kk = FP8_FORMATS[fmt], tp * k
   x = rng.standard_normal(batch + (rows, kk)).astype(np.float32)
@@ -376,15 +384,45 @@ def check_fp8_rs(fmt, kind, batch, rows, k, n):
   else:  # (tp,): rank r holds (1,)
     x_scale, w_scale = np.stack(x_scale), np.stack(w_scale)
     xs_spec = ws_spec = P("tp")
+  in_specs = (P(*b, None, "tp"), P(None, "tp"), xs_spec, ws_spec)
+  args = tuple(global_array(a, spec) for a, spec in zip((x8, wt8, x_scale, w_scale), in_specs))
+  return args, in_specs, want
+
+
+def check_fp8_rs(fmt, kind, batch, rows, k, n):
+  """matmul_reduce_scatter on fp8_k_split's operands."""
+  name = f"fp8 rs x={fmt} scales={kind} batch={batch} M={rows} k/rank={k} N={n}"
+  args, in_specs, want = fp8_k_split(name, fmt, kind, batch, rows, k, n)
   body = lambda x, wt, xs, ws: jaxflux.matmul_reduce_scatter(  # noqa: E731
       x, wt, "tp", impl="fused", x_scale=xs, w_scale=ws, transpose_w=True)
-  f = shard_mapped(body, (P(*b, None, "tp"), P(None, "tp"), xs_spec, ws_spec),
-                   P(*b, "tp", None))
-  args = (global_array(x8, P(*b, None, "tp")), global_array(wt8, P(None, "tp")),
-          global_array(x_scale, xs_spec), global_array(w_scale, ws_spec))
+  f = shard_mapped(body, in_specs, P(*(None,) * len(batch), "tp", None))
   # The kernel sums bfloat16 partials: one more rounding than the output's.
   check(name, f(*args), want, tol=5e-3)
   check_fp8_hlo(name, f, args, "jaxflux_matmul_reduce_scatter")
+
+
+def check_fp8_ar(fmt, kind, batch, rows, k, n):
+  """matmul_all_reduce on fp8_k_split's operands: every process checks its whole copy of the
+  sum and prints its digest; the program holds no XLA all-reduce."""
+  name = f"fp8 ar x={fmt} scales={kind} batch={batch} M={rows} k/rank={k} N={n}"
+  args, in_specs, want = fp8_k_split(name, fmt, kind, batch, rows, k, n)
+  body = lambda x, wt, xs, ws: jaxflux.matmul_all_reduce(  # noqa: E731
+      x, wt, "tp", impl="fused", x_scale=xs, w_scale=ws, transpose_w=True)
+  f = shard_mapped(body, in_specs, P())
+  out = f(*args)
+  # The kernel sums bfloat16 partials, as GEMM+RS's does.
+  check(name, out, want, tol=5e-3)
+  if out.dtype != jnp.bfloat16 or out.shape != want.shape:
+    failures.append(f"{name}: output {out.dtype} {out.shape}, want bfloat16 {want.shape}")
+    print(f"FAIL {name} output {out.dtype} {out.shape}", flush=True)
+  print_digest(name, out)
+  check_fp8_hlo(name, f, args, "jaxflux_matmul_all_reduce",
+                forbidden=("all-gather", "reduce-scatter", "all-reduce"))
+
+
+# matmul_all_reduce's FP8 cases: (batch, M, k per rank, N); M odd (one row: decode) or batched.
+FP8_AR_SHAPES = (((), 1, 256, 384), ((), 3, 272, 144), ((), 17, 512, 384), ((), 100, 256, 128),
+                 ((2,), 64, 256, 128))
 
 
 def run_fp8():
@@ -394,6 +432,8 @@ def run_fp8():
         check_fp8_ag(fmt, kind, batch, m, k, n)
       for batch, rows, k, n in (((), 512, 512, 384), ((), 400, 272, 144), ((2,), 256, 256, 128)):
         check_fp8_rs(fmt, kind, batch, rows, k, n)
+      for batch, rows, k, n in FP8_AR_SHAPES:
+        check_fp8_ar(fmt, kind, batch, rows, k, n)
 
 
 def run_fuzz():

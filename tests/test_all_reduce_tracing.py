@@ -49,10 +49,10 @@ def _sds(shape, dtype=jnp.bfloat16):
 
 
 @pytest.mark.parametrize("tp,batch,m,want", [
-    # decode (rows <= 128): stream-K 128x128, pushed whole, swizzle 1
-    (2, (), 16, {"tile": 1, "push_chunks": 0, "swizzle": 1}),
-    (2, (), 128, {"tile": 1, "push_chunks": 0, "swizzle": 1}),
-    (4, (2,), 64, {"tile": 1, "push_chunks": 0, "swizzle": 1}),
+    # decode (rows <= 128): the swap-AB decode GEMM, pushed whole, swizzle 1
+    (2, (), 16, {"tile": 2, "push_chunks": 0, "swizzle": 1}),
+    (2, (), 128, {"tile": 2, "push_chunks": 0, "swizzle": 1}),
+    (4, (2,), 64, {"tile": 2, "push_chunks": 0, "swizzle": 1}),
     # prefill: stock 128x256, chunked unless batched; swizzle 1 below 2048 rows, 4 from there
     (2, (), 129, {"tile": 0, "push_chunks": 1, "swizzle": 1}),
     (2, (2,), 512, {"tile": 0, "push_chunks": 0, "swizzle": 1}),
@@ -154,7 +154,7 @@ def test_fused_needs_hopper(workspace, monkeypatch):
     jax.eval_shape(_mapped(_fused_op), _sds((8, 64)), _sds((64, 32)))
 
 
-@pytest.mark.parametrize("rows,tile,swizzle", [(1, 1, 1), (128, 1, 1), (129, 0, 1),
+@pytest.mark.parametrize("rows,tile,swizzle", [(1, 2, 1), (128, 2, 1), (129, 0, 1),
                                                (2047, 0, 1), (2048, 0, 4), (8192, 0, 4)])
 def test_the_gemm_only_mode_is_tuned_as_the_fused_op(workspace, rows, tile, swizzle):
   """gemm(kernel="matmul_all_reduce"): CUTLASS's GEMM (kernel 0) with the fused op's tile."""

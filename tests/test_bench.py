@@ -346,7 +346,7 @@ def test_gemm_table_run_with_fake_kernels(shapes_file, tmp_path, monkeypatch):
   from jaxflux.bench import gemm_table
   monkeypatch.setattr(gemm_table, "_gemm", _fake_gemm)
   result = _run("gemm", shapes_file, tmp_path / "g.json", "--M", "64")
-  assert result["settings"]["variants"] == ["xla", "gemm_only", "cutlass", "streamk",
+  assert result["settings"]["variants"] == ["xla", "gemm_only", "cutlass", "streamk", "swap_ab",
                                             "xla_own_rows", "own_rows"]
   assert result["env"] == {k: v for k, v in result["env"].items() if k == "XLA_FLAGS"}
   ag, rs, ar = result["rows"]
@@ -354,11 +354,11 @@ def test_gemm_table_run_with_fake_kernels(shapes_file, tmp_path, monkeypatch):
   assert ag["tp"] == rs["tp"] == ar["tp"] == 2
   # gemm_ar rows: every row on the device, the weight [K/tp, N]; its read rate per variant.
   assert ar["per_device"] == {"x": [64, 32], "w": [32, 64], "out": [64, 64]}
-  assert set(ar["ms"]) == {"xla", "gemm_only", "cutlass", "streamk"}
+  assert set(ar["ms"]) == {"xla", "gemm_only", "cutlass", "streamk", "swap_ab"}
   for v, t in ar["ms"].items():
     assert ar["weight_tbps"][v] == pytest.approx(32 * 64 * 2 / t / 1e9, rel=1e-4)
-  assert ar["ratios"]["streamk_vs_xla"] == pytest.approx(ar["ms"]["streamk"] / ar["ms"]["xla"],
-                                                         rel=1e-4)
+  for v in ("streamk", "swap_ab"):
+    assert ar["ratios"][f"{v}_vs_xla"] == pytest.approx(ar["ms"][v] / ar["ms"]["xla"], rel=1e-4)
   assert "weight_tbps" not in rs
   for r in (ag, rs, ar):
     assert all(t > 0 for t in r["ms"].values()), r["errors"]

@@ -31,7 +31,8 @@ def _fake_gemm(calls):
   """Stands in for jaxflux.ops.gemm.gemm's FP8 form on CPU: checks the arguments against the FP8
   contract and computes what the kernel must, recording (kernel, accumulate) per call."""
   def gemm(x, wt, *, kernel, c=None, transpose_w, x_scale, w_scale, out_dtype, accumulate):
-    assert kernel in ("cutlass", "all_gather_matmul", "own_rows") and transpose_w
+    assert kernel in ("cutlass", "all_gather_matmul", "own_rows", "matmul_all_reduce")
+    assert transpose_w
     assert (c is not None) == (kernel == "own_rows") and out_dtype == jnp.bfloat16
     # Only CUTLASS's kernel takes a forced accumulation; the fused ones run as built.
     assert accumulate is None or (kernel == "cutlass" and accumulate in ("promoted", "fast"))
@@ -66,9 +67,10 @@ def test_fp8_rows_are_the_ag_and_rs_gemms_with_the_weight_transposed():
   assert rs.per_device_shapes == {"x": [2048, 64], "wt": [32, 64], "out": [2048, 32],
                                   "own_rows": {"x": [1024, 64], "c": [1024, 32],
                                                "out": [1024, 32]}}
-  args.of = ["gemm_ar"]
-  with pytest.raises(ValueError, match="GEMM\\+AllReduce takes no FP8"):
-    build_rows(args, SHAPES, 2)
+  args.of = ["gemm_ar"]  # on request: GEMM+AllReduce's GEMM at decode and prefill rows
+  ar = build_rows(args, SHAPES, 2)
+  assert [r.M for r in ar[:7]] == [1, 8, 32, 128, 512, 2048, 8192]
+  assert ar[0].per_device_shapes == {"x": [1, 64], "wt": [32, 64], "out": [1, 32]}
 
 
 def test_fp8_arguments():
@@ -78,7 +80,6 @@ def test_fp8_arguments():
   assert bench.parse_args(["--op", "gemm"]).variants[0] == "xla"  # bf16: the table as before
   for bad in (["--op", "gemm", "--dtype", "float8_e4m3fn", "--variants", "xla"],
               ["--op", "gemm", "--variants", "xla_fp8_fast"],
-              ["--op", "gemm", "--dtype", "float8_e4m3fn", "--of", "gemm_ar"],
               ["--op", "ag_gemm", "--dtype", "float8_e4m3fn"],
               ["--op", "gemm", "--dtype", "float9"]):
     with pytest.raises(SystemExit):
@@ -202,3 +203,16 @@ def test_xla_fp8_without_an_fp8_gemm_is_flagged_on_gpu(shapes_file, tmp_path, mo
   assert len(row["warnings"]) == 1 and row["warnings"][0].startswith(
       "xla_fp8_promoted: neither an FP8 cuBLASLt matmul nor a Triton GEMM")
   assert "warning: tiny-ag M=64: xla_fp8_promoted: neither" in gemm_table.format_gemm_table(result)
+
+
+def test_fp8_gemm_ar_rows_run_the_all_reduce_gemm(monkeypatch):
+  """gemm_ar rows: fp8_gemm_only is GEMM+AllReduce's GEMM as tuned (decode: swap-AB)."""
+  calls = []
+  monkeypatch.setattr(gemm_module, "gemm", _fake_gemm(calls))
+  row = Row("gemm", "t", 8, 128, 32, 2, "float8_e4m3fn", "gemm_ar")
+  (arrays,) = bench.make_inputs(row, bench.make_mesh(1), 1, seed=0)
+  variant = bench.make_variant("fp8_gemm_only", row)
+  got = variant.fn(*(arrays[n] for n in variant.inputs))
+  want = jax.jit(variant.reference)(*(arrays[n] for n in variant.reference_inputs))
+  assert got.shape == (8, 32) and calls == [("matmul_all_reduce", None)]
+  assert np.linalg.norm(np.asarray(got, np.float32) - want) <= 1e-2 * np.linalg.norm(want)

@@ -58,15 +58,31 @@ def test_render_blocks_from_fake_results(results):
   assert render.render_text(out, results) == out  # stable
 
 
+def _gemm_row(of, name, M, gemm_only, own_rows=None, tbps=None):
+  ratios = {"gemm_only_vs_xla": gemm_only}
+  if own_rows is not None:
+    ratios["own_rows_vs_xla_own_rows"] = own_rows
+  return {"of": of, "name": name, "M": M, "ratios": ratios,
+          **({"weight_tbps": {"xla": tbps[0], "gemm_only": tbps[1]}} if tbps else {})}
+
+
 def test_render_gemm_table_from_a_bench_record(results):
-  stats = {"rows": 2, "of_rows": 2, "mean": 1.01, "worst": 1.04, "worst_row": "a M=2048"}
-  record = _run([], summary={"ag_gemm": {"gemm_only_vs_xla": stats},
-                             "gemm_rs": {"gemm_only_vs_xla": stats,
-                                         "own_rows_vs_xla_own_rows": dict(stats, mean=0.99)}})
+  record = _run([_gemm_row("ag_gemm", "a", 2048, 1.04), _gemm_row("ag_gemm", "a", 4096, 0.98),
+                 _gemm_row("gemm_rs", "r", 2048, 1.0, own_rows=0.99)])
   (results / "h200_gemm_table.json").write_text(json.dumps(record))  # a bare record works too
+  # GEMM+AR: the decode rows from their own file, the rest from the other one.
+  ar = [_gemm_row("gemm_ar", "r", 8, 1.5, tbps=(4.0, 2.0)), _gemm_row("gemm_ar", "r", 512, 1.02)]
+  (results / "h200_gemm_all_reduce.json").write_text(json.dumps(_run(ar)))
+  decode = [_gemm_row("gemm_ar", "r", 1, 1.1, tbps=(4.0, 3.5)),
+            _gemm_row("gemm_ar", "r", 128, 1.0, tbps=(3.0, 3.0))]
+  (results / "h200_gemm_decode.json").write_text(json.dumps(_run(decode)))
   out = render.render_gemm(results)
   assert "| AG+GEMM | 2 | 1.010 (1.040, a M=2048) | — |" in out
-  assert "| GEMM+RS | 2 | 1.010 (1.040, a M=2048) | 0.990 (1.040, a M=2048) |" in out
+  assert "| GEMM+RS | 1 | 1.000 (1.000, r M=2048) | 0.990 (0.990, r M=2048) |" in out
+  assert "| GEMM+AR, M > 128 | 1 | 1.020 (1.020, r M=512) | — |" in out
+  assert "| GEMM+AR, M ≤ 128 | 2 | 1.050 (1.100, r M=1) | — |" in out
+  assert "M ≤ 128 (2 rows), weight read: cuBLAS 3.0–4.0 TB/s, GEMM-only 3.0–3.5 TB/s" in out
+  assert out.count("`benchmarks/results/h200_gemm_table.json`") == 1
 
 
 def test_unknown_table_name_fails(results):

@@ -1,6 +1,6 @@
 """The FP8 GEMM-only kernels on one GPU (jaxflux.ops.gemm.gemm with FP8 x and an e4m3 weight
-given [N, K]: CUTLASS's persistent GEMM in both accumulations, the AG+GEMM kernel and GEMM+RS's
-own-rows kernel as built) against a float32 reference of the same FP8 values and scales, so
+given [N, K]: CUTLASS's persistent GEMM in both accumulations, the AG+GEMM kernel, GEMM+RS's
+own-rows kernel and GEMM+AllReduce's GEMM (the swap-AB decode GEMM up to 128 rows) as built) against a float32 reference of the same FP8 values and scales, so
 quantization error is not measured, only the kernels' (accumulation, the bf16 output).
 
 Every per-device shape of benchmarks/shapes.json at tp=2 (ag_gemm [M, K] x [K, N/2], gemm_rs
@@ -110,7 +110,7 @@ def _check_kernels(name, x_shape, k, n, fmt, record_property):
   x_dtype = FORMATS[fmt]
   built = gemm_module.FP8_ACCUMULATE[jnp.dtype(x_dtype).name]
   runs = (("cutlass", "fast"), ("cutlass", "promoted"), ("all_gather_matmul", None),
-          ("own_rows", None))
+          ("own_rows", None), ("matmul_all_reduce", None))
   failures = []
   for s, kind in enumerate(SCALE_KINDS):
     key = jax.random.key(zlib.crc32(f"{name} {fmt} {kind}".encode()))
@@ -153,4 +153,18 @@ def test_benchmark_shapes_match_float32_reference(x_lead, k, n, fmt, request, re
     ((2, 130), 272, 144),     # batched, M = 260
 ], ids=["M1000", "M130", "K272-N144", "batch3x5", "batch2x130-K272-N144"])
 def test_odd_shapes_match_float32_reference(x_lead, k, n, fmt, request, record_property):
+  _check_kernels(request.node.callspec.id, x_lead, k, n, fmt, record_property)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("x_lead,k,n", [
+    ((1,), 4096, 1024),       # one token: the 16-token tile, 15 rows of padding
+    ((3,), 272, 144),         # K and N multiples of 16 only
+    ((17,), 1024, 512),       # the 32-token tile
+    ((64,), 2048, 1024),      # the 64-token tile, full
+    ((100,), 1024, 384),      # two 64-token tiles
+    ((2, 5), 512, 256),       # batched x: batch dims fold into 10 rows
+], ids=["M1", "M3-K272-N144", "M17", "M64", "M100", "batch2x5"])
+def test_decode_rows_match_float32_reference(x_lead, k, n, fmt, request, record_property):
+  """Decode rows, where GEMM+AllReduce's GEMM is the swap-AB decode GEMM."""
   _check_kernels(request.node.callspec.id, x_lead, k, n, fmt, record_property)

@@ -159,9 +159,34 @@ def test_matches_flax_dp_by_tp(mode, cls, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mode", ["column", "row"])
 def test_matches_flax_without_sequence_parallel(mode, dtype):
-  """Tokens replicated: local FP8 dots (column), plus an all-reduce (row)."""
+  """Tokens replicated: local FP8 dots (column), the FP8 matmul_all_reduce (row)."""
   mesh = mesh_of((2, 2), ("dp", "tp"), (AxisType.Explicit, AxisType.Auto))
   check_against_flax(mesh, mode, DIRECT, dtype, data_spec=P("dp"), sequence_parallel=False)
+
+
+@pytest.mark.parametrize("mode,cls", [("row", DIRECT), ("row", QDQ), ("column", DIRECT)],
+                         ids=["row-direct", "row-qdq", "column-direct"])
+def test_without_sequence_parallel_the_row_forward_is_the_fp8_all_reduce(monkeypatch, mode, cls):
+  """Tokens replicated over tp=4: a row layer's forward sums its partials through one FP8
+  jaxflux.matmul_all_reduce per call (e4m3 x and weight, the weight K-major, both scales); a
+  column layer's through none. Both still match flax.linen.Dense."""
+  calls = []
+  real = jaxflux.ops.matmul_all_reduce
+
+  def spy(x, w, axis_name, **kw):
+    calls.append((jnp.dtype(x.dtype), jnp.dtype(w.dtype), tuple(w.shape), axis_name,
+                  kw.get("transpose_w"), kw.get("x_scale") is not None,
+                  kw.get("w_scale") is not None))
+    return real(x, w, axis_name, **kw)
+
+  monkeypatch.setattr(jaxflux.ops, "matmul_all_reduce", spy)
+  check_against_flax(mesh_of((4,), ("tp",)), mode, cls, "bfloat16", sequence_parallel=False)
+  if mode == "column":
+    assert calls == []
+  else:
+    e4m3 = jnp.dtype(jnp.float8_e4m3fn)
+    assert calls and set(calls) == {(e4m3, e4m3, (FEATURES, SHAPE[-1] // 4), "tp", True, True,
+                                     True)}, calls
 
 
 def test_same_variables_and_submodule_as_flax():

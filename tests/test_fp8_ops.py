@@ -1,8 +1,8 @@
-"""FP8 operands of all_gather_matmul and matmul_reduce_scatter on the XLA reference path, against
-an independent NumPy float32 computation on fresh random FP8 data: both FP8 formats in every
-pairing, per-tensor and row-wise scales, the weight given either way round (transpose_w), a
-batch axis, odd sizes, tp = 2 and 4. Also the public transpose_w of non-FP8 calls, values and
-gradients."""
+"""FP8 operands of all_gather_matmul, matmul_reduce_scatter and matmul_all_reduce on the XLA
+reference path, against an independent NumPy float32 computation on fresh random FP8 data: both
+FP8 formats in every pairing, per-tensor and row-wise scales, the weight given either way round
+(transpose_w), a batch axis, odd sizes, tp = 2 and 4. Also the public transpose_w of non-FP8
+calls, values and gradients."""
 from __future__ import annotations
 
 import jax
@@ -97,9 +97,37 @@ def _rs_case(rng, tp, x_dtype, w_dtype, scales, batch, transpose_w):
   return args, in_specs, P(*bl, "tp", None), want
 
 
+def _ar_case(rng, tp, x_dtype, w_dtype, scales, batch, transpose_w, rows=None):
+  """Global operands of a matmul_all_reduce (x sharded on K, w on its rows), the in_specs and
+  the NumPy float32 reference of y (replicated): the sum over ranks of each rank's scaled
+  product. Its rows need not divide by tp: by default an odd count that does not."""
+  lead = (batch,) if batch else ()
+  rows = tp * M + 1 if rows is None else rows
+  x = _fp8(rng, lead + (rows, tp * K_LOCAL), x_dtype)
+  w = _fp8(rng, (tp * K_LOCAL, N_RS), w_dtype)
+  bl = (None,) * len(lead)
+  if scales == "tensor":  # each rank its own scales, shapes () and (1,)
+    xs, xs_spec = _scale(rng, (tp,)), P("tp")
+    ws, ws_spec = _scale(rng, (tp,)), P("tp")
+    x_rows = [np.full(lead + (rows, 1), v, np.float32) for v in _f32(xs)]
+    w_cols = [np.full((1, N_RS), v, np.float32) for v in _f32(ws)]
+  else:  # each rank its own row and column scales
+    xs, xs_spec = _scale(rng, lead + (rows, tp)), P(*bl, None, "tp")
+    ws, ws_spec = _scale(rng, (tp, N_RS)), P("tp", None)
+    x_rows = [_f32(xs)[..., r:r + 1] for r in range(tp)]
+    w_cols = [_f32(ws)[r:r + 1] for r in range(tp)]
+  ks = [slice(r * K_LOCAL, (r + 1) * K_LOCAL) for r in range(tp)]
+  want = sum((_f32(x)[..., ks[r]] * x_rows[r]) @ (_f32(w)[ks[r]] * w_cols[r]) for r in range(tp))
+  w_arg, w_spec = (w.T, P(None, "tp")) if transpose_w else (w, P("tp", None))
+  args = (x, w_arg, xs, ws)
+  in_specs = (P(*bl, None, "tp"), w_spec, xs_spec, ws_spec)
+  return args, in_specs, P(), want
+
+
 OPS = {
     "all_gather_matmul": (jaxflux.all_gather_matmul, _ag_case),
     "matmul_reduce_scatter": (jaxflux.matmul_reduce_scatter, _rs_case),
+    "matmul_all_reduce": (jaxflux.matmul_all_reduce, _ar_case),
 }
 # (x dtype, w dtype, tp, scales, batch, transpose_w): every dtype pairing with the weight both
 # ways round; tp, scale kind and batch each take both values in both weight layouts.
@@ -142,6 +170,27 @@ def test_default_output_is_bfloat16_and_auto_runs_the_reference(op):
   got = _run(mesh_of((2,), ("tp",)), body, args, in_specs, out_spec)
   assert got.dtype == jnp.bfloat16
   assert _rel_err(got, want) < 8e-3  # bfloat16's rounding, 2**-9 relative
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("scales", ["tensor", "rows"])
+def test_all_reduce_sums_each_ranks_own_scaled_partial(rows, scales):
+  """matmul_all_reduce: odd row counts (one row: decode), every rank's result the whole sum
+  (out_specs P() checks it is typed replicated), each rank's partial under its own scales."""
+  tp = 4
+  rng = np.random.default_rng(20 + rows)
+  args, in_specs, out_spec, want = _ar_case(rng, tp, E4M3, E4M3, scales, None, True, rows=rows)
+  body = lambda x, w, xs, ws: jaxflux.matmul_all_reduce(  # noqa: E731
+      x, w, "tp", x_scale=xs, w_scale=ws, impl="xla", transpose_w=True,
+      preferred_element_type=jnp.float32)
+  got = _run(mesh_of((tp,), ("tp",)), body, args, in_specs, out_spec)
+  assert got.shape == (rows, N_RS) and got.dtype == jnp.float32
+  assert _rel_err(got, want) < 2e-6
+  # Rank 0's scales applied to every rank's partial are far off: the test tells them apart.
+  x, wt, xs, ws = (_f32(a) for a in args)
+  xs0 = xs[0] if scales == "tensor" else xs[:, :1]
+  ws0 = ws[0] if scales == "tensor" else ws[:1]
+  assert _rel_err(got, (x * xs0) @ (wt.T * ws0)) > 0.1
 
 
 @pytest.mark.parametrize("scale_shape", [(), (1,)], ids=["shape()", "shape(1,)"])
@@ -198,6 +247,8 @@ def test_transpose_w_values_and_grads(op):
   probe = jnp.asarray(rng.standard_normal((2, 6, 6)), jnp.float32)
   if op == "all_gather_matmul":
     specs, out = (P(None, "tp", None), P("tp", None)), P(None, None, "tp")
+  elif op == "matmul_all_reduce":
+    specs, out = (P(None, None, "tp"), P(None, "tp")), P()
   else:
     specs, out = (P(None, None, "tp"), P(None, "tp")), P(None, "tp", None)
   mesh = mesh_of((tp,), ("tp",))

@@ -1,8 +1,8 @@
 """FP8 calls that can't run fail at trace time with an error naming the argument and the fix:
 scales (missing, dtype, shape, without FP8), operand dtypes (mixed, other 1-byte floats),
-matmul_all_reduce, differentiation (forward-only), and impl="fused" (the platform on CPU; each
-FP8 kernel condition with the platform check faked away). Also the dispatch: impl="auto" takes
-XLA for FP8, and impl="fused" calls the fused FP8 entry with normalized scales."""
+differentiation (forward-only), and impl="fused" (the platform on CPU; each FP8 kernel condition
+with the platform check faked away), for each of the three ops. Also the dispatch: impl="auto"
+takes XLA for FP8, and impl="fused" calls the fused FP8 entry with normalized scales."""
 from __future__ import annotations
 
 import re
@@ -19,8 +19,11 @@ from jaxflux.ops import _fused, _platform
 from conftest import make_mesh, mesh_of
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
-OPS = {"ag": jaxflux.all_gather_matmul, "rs": jaxflux.matmul_reduce_scatter}
-NAMES = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter"}
+OPS = {"ag": jaxflux.all_gather_matmul, "rs": jaxflux.matmul_reduce_scatter,
+       "ar": jaxflux.matmul_all_reduce}
+NAMES = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter", "ar": "matmul_all_reduce"}
+# The XLA path's collective of each op, as a jaxpr primitive (psum: `psum` or `psum_invariant`).
+COLLECTIVE = {"ag": "all_gather", "rs": "reduce_scatter", "ar": "psum"}
 F32 = jnp.float32
 
 
@@ -116,11 +119,12 @@ def test_other_one_byte_floats_are_refused(op):
     trace(op, arr((4, 32)), arr((32, 16), jnp.float8_e4m3fnuz), **ok_scales())
 
 
-def test_matmul_all_reduce_refuses_fp8():
-  with pytest.raises(TypeError, match=r"matmul_all_reduce: x.dtype=float8_e4m3fn: "
-                     r"matmul_all_reduce does not take FP8.*all_gather_matmul and "
-                     r"matmul_reduce_scatter"):
-    trace(jaxflux.matmul_all_reduce, arr((4, 32)), arr((32, 16)))
+def test_all_reduce_takes_odd_rows_and_a_batch():
+  """matmul_all_reduce scatters nothing: any row count, the output [..., M, N] in bfloat16."""
+  for x_shape in [(1, 32), (3, 32), (2, 17, 32)]:
+    out = trace("ar", arr(x_shape), arr((16, 32)), transpose_w=True,
+                **ok_scales(x_shape, 16))
+    assert (out.shape, out.dtype) == (x_shape[:-1] + (16,), jnp.bfloat16)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -143,7 +147,7 @@ def _fp8_call(op, tp=2):
   if op == "ag":
     specs, out = (P("tp", None), P(None, "tp")), P(None, "tp")
   else:
-    specs, out = (P(None, "tp"), P("tp", None)), P("tp", None)
+    specs, out = (P(None, "tp"), P("tp", None)), (P() if op == "ar" else P("tp", None))
 
   def body(x, w, xs, ws):
     return OPS[op](x.astype(E4M3), w.astype(E4M3), "tp", x_scale=xs, w_scale=ws,
@@ -256,7 +260,7 @@ def test_auto_takes_xla_for_fp8_even_where_kernels_run(fake_gpu, op):
                     mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
   text = str(jax.make_jaxpr(f)(arr((4096, 64)), arr((16, 64))))
   assert "jaxflux_" not in text
-  assert ("all_gather" if op == "ag" else "reduce_scatter") in text
+  assert COLLECTIVE[op] in text
 
 
 @pytest.mark.parametrize("per_tensor", [True, False], ids=["per-tensor", "row-wise"])
@@ -279,8 +283,14 @@ def test_fused_calls_the_fp8_entry_with_normalized_scales(fake_gpu, monkeypatch,
                 out=out_dtype, axis=axis_name)
     return jnp.zeros(x.shape[:-2] + (x.shape[-2] // 2, w.shape[0]), out_dtype)
 
+  def ar_entry(x, w, rows, cols, axis_name, *, out_dtype):
+    seen.update(x=x.shape, w=w.shape, rows=(rows.shape, rows.dtype), cols=(cols.shape, cols.dtype),
+                out=out_dtype, axis=axis_name)
+    return jnp.zeros(x.shape[:-1] + (w.shape[0],), out_dtype)
+
   monkeypatch.setattr(_fused, "all_gather_matmul_fp8", ag_entry, raising=False)
   monkeypatch.setattr(_fused, "matmul_reduce_scatter_fp8", rs_entry, raising=False)
+  monkeypatch.setattr(_fused, "matmul_all_reduce_fp8", ar_entry, raising=False)
   scales = ({"x_scale": jnp.ones((1,), F32), "w_scale": jnp.ones((), F32)} if per_tensor
             else ok_scales((2, 8, 64), 32))
   extra = {"return_gathered": True} if op == "ag" else {}
@@ -292,5 +302,7 @@ def test_fused_calls_the_fp8_entry_with_normalized_scales(fake_gpu, monkeypatch,
   if op == "ag":
     assert seen["want"] is True
     assert out[0].shape == (2, 16, 32) and out[1].dtype == E4M3
+  elif op == "ar":
+    assert out.shape == (2, 8, 32) and out.dtype == jnp.bfloat16
   else:
     assert out.shape == (2, 4, 32) and out.dtype == jnp.bfloat16

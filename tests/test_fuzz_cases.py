@@ -98,22 +98,20 @@ def test_draws_cover_every_op_dtype_and_feature(tp, per_op):
     assert case.work <= fc.MAX_WORK and case.elements <= fc.MAX_ELEMENTS, case
     assert case.x_rows % tp == 0 or case.op != "matmul_reduce_scatter", case
     if case.fp8:
-      assert case.transpose_w and case.op != "matmul_all_reduce", case
+      assert case.transpose_w, case
+      assert ("tile", "cooperative_128x128_streamk") not in case.tuning, case  # not built
     if case.op != "all_gather_matmul":
       assert not case.return_gathered, case
   for op in fc.OPS:
     mine = [c for c in cases if c.op == op]
     seen = lambda f: {f(c) for c in mine}  # noqa: E731
-    dtypes = {"bfloat16", "float16"}
     assert seen(lambda c: c.transpose_w) == {False, True}, op
-    if op != "matmul_all_reduce":
-      dtypes |= {"float8_e4m3fn", "float8_e5m2"}
-      fp8 = [c for c in mine if c.fp8]
-      assert {c.x_scale for c in fp8} == {"tensor", "row"}, op
-      assert {c.w_scale for c in fp8} == {"tensor", "column"}, op
-      assert {c.scalar_scales for c in fp8 if "tensor" in (c.x_scale, c.w_scale)} == {
-          False, True}, op
-    assert seen(lambda c: c.dtype) == dtypes, op
+    fp8 = [c for c in mine if c.fp8]
+    assert {c.x_scale for c in fp8} == {"tensor", "row"}, op
+    assert {c.w_scale for c in fp8} == {"tensor", "column"}, op
+    assert {c.scalar_scales for c in fp8 if "tensor" in (c.x_scale, c.w_scale)} == {
+        False, True}, op
+    assert seen(lambda c: c.dtype) == {"bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"}, op
     if op == "all_gather_matmul":
       assert seen(lambda c: c.return_gathered) == {False, True}
     assert seen(lambda c: len(c.batch)) == {0, 1, 2}, op

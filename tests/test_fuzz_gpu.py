@@ -16,7 +16,7 @@ import fuzz_cases
 pytestmark = pytest.mark.gpu
 
 CASES_PER_OP = 40
-QUICK = 3  # the first cases of each op: bf16, fp16 and FP8 (where the op takes it)
+QUICK = 3  # the first cases of each op: bf16, fp16 and FP8
 
 
 @pytest.fixture(scope="module")

@@ -210,12 +210,32 @@ def test_all_reduce_gemm_matches_float32_reference(dtype, tile, transpose_w, x_s
 
 
 @pytest.mark.gpu
-def test_stream_k_gemm_is_bitwise_deterministic():
+@pytest.mark.parametrize("tile", ["cooperative_128x128_streamk", "swap_ab_streamk"])
+def test_stream_k_gemms_are_bitwise_deterministic(tile):
   """Stream-K sums the K splits of a tile in a fixed order (CUTLASS's deterministic reduction),
-  so GEMM+AllReduce's replicas stay equal run to run."""
-  for seed, shape in ((0, (1, 8192)), (1, (64, 14336))):
+  so results are the same bits run to run."""
+  for seed, shape in ((0, (1, 8192)), (1, (64, 14336)), (2, (17, 4096))):
     x, w = gpu_util.operands(seed, shape, (shape[-1], 4096), jnp.bfloat16)
-    first = np.asarray(_all_reduce_gemm(x, w, tile="cooperative_128x128_streamk"))
+    first = np.asarray(_all_reduce_gemm(x, w, tile=tile))
     for _ in range(3):
-      again = np.asarray(_all_reduce_gemm(x, w, tile="cooperative_128x128_streamk"))
+      again = np.asarray(_all_reduce_gemm(x, w, tile=tile))
       np.testing.assert_array_equal(first, again)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("transpose_w", [False, True])
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 33, 64, 100, 128])
+def test_decode_gemm_matches_float32_reference(dtype, transpose_w, m):
+  """The swap-AB decode GEMM at each token width (16, 32, 64), row counts padded up to one,
+  and past 64 rows in several token tiles; the weight N-major and K-major. Every element is
+  checked, not only the norm: a padded row or a column of tokens written to the wrong place
+  would show in a few elements."""
+  x, w = gpu_util.operands(100 + m, (m, 2048), (2048, 1536), dtype)
+  got = _all_reduce_gemm(x, jnp.asarray(w.T) if transpose_w else w, tile="swap_ab_streamk",
+                         transpose_w=transpose_w)
+  want = np.asarray(reference(x, w))
+  assert got.shape == (m, 1536) and got.dtype == dtype
+  assert rel_err(got, want) <= TOL[dtype]
+  scale = np.abs(want).max()
+  np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=2e-2 * scale)

@@ -116,17 +116,23 @@ def test_matmul_all_reduce_across_two_processes_sharing_one_gpu(one_gpu_launcher
 
 
 def test_fp8_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path):
-  """FP8 all_gather_matmul and matmul_reduce_scatter, impl="fused": x e4m3 or e5m2 with an e4m3
-  weight given [n, K] (transpose_w=True), per-tensor scales that differ between the ranks and
-  row-wise ones, odd shapes and batch dims, against float32 NumPy on the dequantized values;
-  all_gather_matmul's x_full the FP8 values bit for bit; every compiled program the fused custom
-  call and no XLA all-gather / reduce-scatter."""
-  results = _run(one_gpu_launcher, tmp_path, "fp8", timeout=300, shared=True)
+  """FP8 all_gather_matmul, matmul_reduce_scatter and matmul_all_reduce, impl="fused": x e4m3 or
+  e5m2 with an e4m3 weight given [n, K] (transpose_w=True), per-tensor scales that differ
+  between the ranks and row-wise ones, odd shapes (matmul_all_reduce: M of 1, 3, 17, 100) and
+  batch dims, against float32 NumPy on the dequantized values; all_gather_matmul's x_full the
+  FP8 values bit for bit; every compiled program the fused custom call and no XLA all-gather /
+  reduce-scatter (nor all-reduce for matmul_all_reduce); both processes' copies of each
+  matmul_all_reduce output the same bits."""
+  results = _run(one_gpu_launcher, tmp_path, "fp8", timeout=420, shared=True)
   assert [code for code, _ in results] == [0, 0], describe(results)
   for i, (_, out) in enumerate(results):
     assert f"WORKER OK {i}" in out and "FAIL" not in out, describe(results)
     # 2 formats x 2 scale kinds x 3 shapes: ag value, x_full, HLO; rs value, HLO
     assert out.count("PASS fp8 ag ") == 36 and out.count("PASS fp8 rs ") == 24, describe(results)
+    # 2 formats x 2 scale kinds x 5 shapes: ar value, HLO
+    assert out.count("PASS fp8 ar ") == 40, describe(results)
+  digests = [re.findall(r"^DIGEST (fp8 ar .+) ([0-9a-f]{64})$", out, re.M) for _, out in results]
+  assert len(digests[0]) == 20 and digests[0] == digests[1], describe(results)
 
 
 def test_a_dead_peer_sharing_one_gpu_fails_the_survivor(one_gpu_launcher, tmp_path):

@@ -287,12 +287,12 @@ def test_the_epilogue_reduction_needs_tp_2(tp):
 # --- GEMM+AllReduce -----------------------------------------------------------------------------
 
 def reference_matmul_all_reduce(batch, m):
-  """(tile index, push_chunks, swizzle): stream-K 128x128 pushed whole with swizzle 1 up to 128
-  rows (batch * m), else the stock 128x256 tile, swizzle 1 below 2048 rows and 4 from there,
+  """(tile index, push_chunks, swizzle): the swap-AB decode GEMM pushed whole with swizzle 1 up
+  to 128 rows (batch * m), else the stock 128x256 tile, swizzle 1 below 2048 rows and 4 from there,
   pushed in chunks unless x is batched."""
   rows = batch * m
   if rows <= 128:
-    return 1, 0, 1
+    return 2, 0, 1
   return 0, int(batch == 1), 4 if rows >= 2048 else 1
 
 
@@ -325,7 +325,8 @@ def test_all_reduce_classes_split_at_128_and_2048_rows(rows, shape_class):
 
 @pytest.mark.parametrize("fields,match", [
     ({"tile": "streamk"}, r"tile='streamk' is not valid; tile takes "
-                          r"'cooperative_128x256_cluster2x1' or 'cooperative_128x128_streamk'"),
+                          r"'cooperative_128x256_cluster2x1' or 'cooperative_128x128_streamk' or "
+                          r"'swap_ab_streamk'"),
     ({"push": "split"}, r"push='split' is not valid; push takes 'chunked' or 'whole'"),
     ({"swizzle": 3}, r"swizzle=3 is not valid; swizzle takes 1, 2, 4 or 8"),
     ({"grid_sms": -1}, r"grid_sms=-1 is not valid"),
@@ -350,7 +351,7 @@ def test_an_all_reduce_override_reaches_the_choice_and_keeps_the_class():
   assert tuned.shape_class == "decode"
   assert tuned.choice == tuning.MatmulAllReduceChoice("cooperative_128x256_cluster2x1", "whole",
                                                       8, 100)
-  assert tuning.choose_matmul_all_reduce(**DECODE).choice.tile == "cooperative_128x128_streamk"
+  assert tuning.choose_matmul_all_reduce(**DECODE).choice.tile == "swap_ab_streamk"
 
 
 def test_a_chunked_all_reduce_push_needs_unbatched_x():

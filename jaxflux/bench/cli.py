@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jaxflux.bench import device_clock, processes
 from jaxflux.bench.config import (CHILD_MARKER, DEFAULT_VARIANTS, DEFINITIONS, EXTRA_VARIANTS,
-                                  FP8_DTYPES, FP8_GEMM_FAMILIES, FP8_GEMM_VARIANTS, GEMM_FAMILIES,
+                                  FP8_DTYPES, FP8_GEMM_VARIANTS, GEMM_FAMILIES,
                                   GEMM_VARIANTS, OP_VARIANTS, OPS, WINDOWED_FLAGS, repo_root)
 from jaxflux.bench.gemm_table import format_gemm_table, summarize_table
 from jaxflux.bench.inputs import make_mesh
@@ -69,7 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  help="input dtype (default bfloat16); --op gemm also takes "
                       f"{' or '.join(FP8_DTYPES)}: the FP8 table (x in that format, the weight "
                       f"in e4m3 given [N, K], per-tensor scales, bf16 output; families "
-                      f"{','.join(FP8_GEMM_FAMILIES)}; variants {','.join(FP8_GEMM_VARIANTS)})")
+                      f"{','.join(GEMM_FAMILIES)}, default ag_gemm,gemm_rs; variants "
+                      f"{','.join(FP8_GEMM_VARIANTS)})")
   p.add_argument("--tp", type=int, default=None,
                  help="devices on the tp axis (default: all); --op gemm runs on one device the "
                       "per-device GEMMs of this tp (default 2)")
@@ -135,11 +136,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     kind = f" with --dtype {args.dtype}" if args.op == "gemm" else ""
     p.error(f"--variants: unknown {unknown} for --op {args.op}{kind}; choose from {known}")
   if args.of is not None:
-    families = FP8_GEMM_FAMILIES if fp8 else GEMM_FAMILIES
-    bad = [f for f in args.of if f not in families]
+    bad = [f for f in args.of if f not in GEMM_FAMILIES]
     if args.op != "gemm" or bad:
-      kind = f" with --dtype {args.dtype} (GEMM+AllReduce takes no FP8)" if fp8 else ""
-      p.error(f"--of applies to --op gemm and takes {families}{kind}; got {args.of}")
+      p.error(f"--of applies to --op gemm and takes {GEMM_FAMILIES}; got {args.of}")
   if args.sizes_mib and args.op != "all_gather":
     p.error("--sizes-mib applies to --op all_gather only")
   for name in ("iters", "repeats"):

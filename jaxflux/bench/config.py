@@ -17,18 +17,18 @@ OP_VARIANTS = {
                 "xla_windowed", "xla_gspmd"),
     # One device: each row is one GEMM a device runs in the fused op at tp=2 (see gemm_table.py;
     # the FP8 variants, fp8_table.py, run on the FP8 rows of --dtype float8_*).
-    "gemm": ("xla", "gemm_only", "cutlass", "streamk", "xla_own_rows", "own_rows",
+    "gemm": ("xla", "gemm_only", "cutlass", "streamk", "swap_ab", "xla_own_rows", "own_rows",
              "xla_fp8_fast", "xla_fp8_promoted", "fp8_gemm_only", "cutlass_fp8_fast",
              "cutlass_fp8_promoted", "quantize"),
 }
-GEMM_VARIANTS = OP_VARIANTS["gemm"][:6]
-FP8_GEMM_VARIANTS = OP_VARIANTS["gemm"][6:]
+GEMM_VARIANTS = OP_VARIANTS["gemm"][:7]
+FP8_GEMM_VARIANTS = OP_VARIANTS["gemm"][7:]
 # --dtype values that make --op gemm the FP8 table: x's format (the weight is always e4m3).
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 # --op gemm's row families: the per-device GEMM of each fused op at tp=2.
 GEMM_FAMILIES = ("ag_gemm", "gemm_rs", "gemm_ar")
-# The families of the FP8 table: GEMM+AllReduce takes no FP8 operands.
-FP8_GEMM_FAMILIES = ("ag_gemm", "gemm_rs")
+# The FP8 table's default families (prefill); its gemm_ar rows (decode) on request (--of).
+FP8_DEFAULT_FAMILIES = ("ag_gemm", "gemm_rs")
 # --op gemm's default token counts: where impl="auto" takes the fused kernels at tp=2; for
 # GEMM+AllReduce (gemm_ar rows) decode sizes too, where the GEMM is a read of the weight.
 GEMM_TABLE_M = (2048, 4096, 8192, 16384)
@@ -64,6 +64,8 @@ DEFINITIONS = {
     "gemm_only_vs_xla": ("--op gemm: ms['gemm_only'] / ms['xla'] (> 1: the fused kernels' GEMM "
                          "work is slower than XLA's dot, i.e. cuBLAS, on the same operands)"),
     "streamk_vs_xla": "--op gemm, gemm_ar rows: ms['streamk'] / ms['xla']",
+    "swap_ab_vs_xla": ("--op gemm, gemm_ar rows: ms['swap_ab'] / ms['xla'] (the swap-AB decode "
+                       "GEMM against cuBLAS)"),
     "cutlass_vs_xla": ("--op gemm: ms['cutlass'] / ms['xla'] (CUTLASS's stock persistent GEMM "
                        "against cuBLAS: how much of gemm_only_vs_xla is CUTLASS itself)"),
     "weight_tbps": ("--op gemm, gemm_ar rows: bytes of the per-device weight [K/tp, N] / time, "

@@ -1,7 +1,7 @@
 """`--op gemm --dtype float8_e4m3fn` (or `float8_e5m2`): the FP8 GEMM-only table.
 
-The rows are gemm_table.py's ag_gemm and gemm_rs rows (the GEMM one device runs inside the
-fused op at tp=2) with FP8 operands: x in the row's dtype (e4m3 as in a forward pass, e5m2 as
+The rows are gemm_table.py's ag_gemm, gemm_rs and gemm_ar rows (the GEMM one device runs inside
+the fused op at tp=2) with FP8 operands: x in the row's dtype (e4m3 as in a forward pass, e5m2 as
 the gradient of a backward pass), the weight in e4m3 given as its transpose [N, K] (K-major, the
 layout FP8 tensor cores read), a per-tensor scale for each, bfloat16 output:
   xla_fp8_fast          XLA's FP8 GEMM (cuBLASLt) on the same values and scales (`xla_dot`),
@@ -12,7 +12,8 @@ layout FP8 tensor cores read), a per-tensor scale for each, bfloat16 output:
                         passes them (per-tensor broadcast to x's rows and the output's columns):
                         ag_gemm rows the AG+GEMM kernel; gemm_rs rows CUTLASS's GEMM on the
                         peer's M/2 rows, then the own-rows kernel adding that bf16 partial (as
-                        the bf16 table's gemm_only)
+                        the bf16 table's gemm_only); gemm_ar rows GEMM+AllReduce's GEMM as it
+                        tunes it (the swap-AB decode GEMM up to 128 rows)
   cutlass_fp8_fast      CUTLASS's persistent FP8 GEMM (kernel "cutlass") on all rows, fast
                         accumulation; the one kernel built with both, so the two modes' speed
                         and error compare on one kernel
@@ -43,7 +44,8 @@ W_DTYPE = jnp.float8_e4m3fn  # the weight's format, forward and backward
 OUT_DTYPE = jnp.bfloat16
 PRODUCTS = ("xla_fp8_fast", "xla_fp8_promoted", "fp8_gemm_only", "cutlass_fp8_fast",
             "cutlass_fp8_promoted")
-ROW_VARIANTS = {"ag_gemm": PRODUCTS + ("quantize",), "gemm_rs": PRODUCTS + ("quantize",)}
+ROW_VARIANTS = {"ag_gemm": PRODUCTS + ("quantize",), "gemm_rs": PRODUCTS + ("quantize",),
+                "gemm_ar": PRODUCTS + ("quantize",)}
 RATIO_KEYS = ("fp8_gemm_only_vs_xla_fp8", "cutlass_fp8_fast_vs_xla_fp8_fast",
               "cutlass_fp8_promoted_vs_xla_fp8_promoted", "quantize_vs_fp8_gemm_only")
 _CONTRACT_LAST = (((1,), (1,)), ((), ()))  # [M, K] x [N, K] -> [M, N]
@@ -111,6 +113,11 @@ def built_accumulate(x_dtype) -> str | None:
     return None
 
 
+def ar_gemm_only(x8, wt8, x_scale, w_scale):
+  """GEMM+AllReduce's FP8 GEMM as the op tunes it for the row's M."""
+  return _gemm(x8, wt8, kernel="matmul_all_reduce", x_scale=x_scale, w_scale=w_scale)
+
+
 def ag_gemm_only(x8, wt8, x_scale, w_scale):
   """AllGather+GEMM's FP8 GEMM-only mode: its kernel and tile order with the waits off."""
   return _gemm(x8, wt8, kernel="all_gather_matmul", x_scale=x_scale, w_scale=w_scale)
@@ -159,8 +166,8 @@ def variant_spec(name: str, row: Row):
   if name.startswith("cutlass_fp8"):
     return {"fn": functools.partial(cutlass_gemm, accumulate=name.rpartition("_")[2]),
             **all_rows}
-  if row.of == "ag_gemm":
-    return {"fn": ag_gemm_only, **all_rows}
+  if row.of in ("ag_gemm", "gemm_ar"):
+    return {"fn": ag_gemm_only if row.of == "ag_gemm" else ar_gemm_only, **all_rows}
   if row.tp != 2:
     return f"the GEMM+RS GEMM-only composition is defined at tp=2, not tp={row.tp}"
   return {"fn": rs_gemm_only,

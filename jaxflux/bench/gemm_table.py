@@ -18,7 +18,8 @@ dot (cuBLAS) on the same operands, variants interleaved as for the other ops:
     xla           jnp.dot
     gemm_only     gemm(kernel="matmul_all_reduce"): the GEMM+AllReduce op's GEMM as it tunes it
     cutlass       as for ag_gemm rows
-    streamk       the same with CUTLASS's stream-K 128x128 GEMM, the op's other tile choice
+    streamk       the same with CUTLASS's stream-K 128x128 GEMM
+    swap_ab       the same with the swap-AB decode GEMM (tuning.AR_TILES' "swap_ab_streamk")
     and weight_tbps: the rate each variant reads the weight, what bounds it at decode sizes
 Each variant's output is checked against the same product computed by XLA in float32.
 With an FP8 --dtype the rows are those of fp8_table.py (ag_gemm and gemm_rs, FP8 variants).
@@ -39,10 +40,11 @@ from jaxflux.bench.table import fmt, error_lines
 RATIOS = {"gemm_only_vs_xla": ("gemm_only", "xla"),
           "cutlass_vs_xla": ("cutlass", "xla"),
           "streamk_vs_xla": ("streamk", "xla"),
+          "swap_ab_vs_xla": ("swap_ab", "xla"),
           "own_rows_vs_xla_own_rows": ("own_rows", "xla_own_rows")}
 ROW_VARIANTS = {"ag_gemm": ("xla", "gemm_only", "cutlass"),
                 "gemm_rs": ("xla", "gemm_only", "cutlass", "xla_own_rows", "own_rows"),
-                "gemm_ar": ("xla", "gemm_only", "cutlass", "streamk")}
+                "gemm_ar": ("xla", "gemm_only", "cutlass", "streamk", "swap_ab")}
 
 
 def row_variants(row: Row) -> tuple[str, ...]:
@@ -71,11 +73,18 @@ def rs_gemm_only(x_peer, x_own, w):
   return _gemm(x_own, w, kernel="own_rows", c=_gemm(x_peer, w, kernel="cutlass"))
 
 
-def streamk_gemm(x, w):
-  """GEMM+AllReduce's GEMM with the stream-K tile, whatever the table picks for the row."""
-  from jaxflux import tuning
-  with tuning.override("matmul_all_reduce", tile="cooperative_128x128_streamk"):
-    return _gemm(x, w, kernel="matmul_all_reduce")
+def all_reduce_gemm_with(tile: str):
+  """GEMM+AllReduce's GEMM with `tile` (one of tuning.AR_TILES), whatever the table picks."""
+
+  def run(x, w):
+    from jaxflux import tuning
+    with tuning.override("matmul_all_reduce", tile=tile):
+      return _gemm(x, w, kernel="matmul_all_reduce")
+
+  return run
+
+
+_AR_TILE_VARIANTS = {"streamk": "cooperative_128x128_streamk", "swap_ab": "swap_ab_streamk"}
 
 
 def variant_spec(name: str, row: Row):
@@ -97,8 +106,8 @@ def variant_spec(name: str, row: Row):
             lambda x, w, c: _f32_dot(x, w) + c.astype(jnp.float32))
   if row.of == "ag_gemm":
     return ag_gemm_only, ("x", "w"), _f32_dot
-  if name == "streamk":
-    return streamk_gemm, ("x", "w"), _f32_dot
+  if name in _AR_TILE_VARIANTS:
+    return all_reduce_gemm_with(_AR_TILE_VARIANTS[name]), ("x", "w"), _f32_dot
   if row.of == "gemm_ar":
     return (lambda x, w: _gemm(x, w, kernel="matmul_all_reduce")), ("x", "w"), _f32_dot
   if row.tp != 2:

@@ -6,7 +6,7 @@ import pathlib
 
 import jax.numpy as jnp
 
-from jaxflux.bench.config import (FP8_DTYPES, FP8_GEMM_FAMILIES, GEMM_AR_TABLE_M, GEMM_FAMILIES,
+from jaxflux.bench.config import (FP8_DEFAULT_FAMILIES, FP8_DTYPES, GEMM_AR_TABLE_M, GEMM_FAMILIES,
                                   GEMM_TABLE_M, repo_root)
 
 
@@ -143,10 +143,7 @@ def _gemm_rows(args, shapes: dict, tp: int) -> list[Row]:
   """--op gemm: every ag_gemm, gemm_rs and gemm_ar shape (gemm_ar: the gemm_rs shapes) at each M,
   as one device runs it at `tp`; --of picks families."""
   fp8 = args.dtype in FP8_DTYPES
-  families = getattr(args, "of", None) or (FP8_GEMM_FAMILIES if fp8 else GEMM_FAMILIES)
-  if fp8 and not set(families) <= set(FP8_GEMM_FAMILIES):
-    raise ValueError(f"--of {','.join(families)}: the FP8 table has the families "
-                     f"{FP8_GEMM_FAMILIES} (GEMM+AllReduce takes no FP8 operands)")
+  families = getattr(args, "of", None) or (FP8_DEFAULT_FAMILIES if fp8 else GEMM_FAMILIES)
   tables = {of: shapes.get("gemm_rs" if of == "gemm_ar" else of, []) for of in families}
   if args.shapes:
     known = {s["name"] for t in tables.values() for s in t}

@@ -1,5 +1,5 @@
-"""FP8 operands of all_gather_matmul and matmul_reduce_scatter: the reference (XLA) math and the
-forward-only custom_vjp around both, over a Plan whose checks normalized the scales (_plan).
+"""FP8 operands of the three ops: the reference (XLA) math and the forward-only custom_vjp around
+each, over a Plan whose checks normalized the scales (_plan).
 
 An FP8 call multiplies `x.astype(f32) * x_scale` by `w.astype(f32) * w_scale`. The plan gives
 the scales as the fused kernels take them: x's as float32 rows [..., rows, 1], w's as float32
@@ -42,6 +42,12 @@ def matmul_reduce_scatter(x, w, rows, cols, plan: _plan.Plan):
   return _forward_only(plan.op, lambda *a: _rs_forward(*a, plan), x, w, rows, cols)
 
 
+def matmul_all_reduce(x, w, rows, cols, plan: _plan.Plan):
+  """The FP8 matmul_all_reduce of a plan: y, the same on every rank. rows, cols: the plan's
+  scales."""
+  return _forward_only(plan.op, lambda *a: _ar_forward(*a, plan), x, w, rows, cols)
+
+
 def _ag_forward(x, w, rows, cols, plan, want_gathered):
   """(y, x_full); x_full is None when not wanted and the fused kernel runs."""
   if plan.kernel == "fused":
@@ -66,6 +72,16 @@ def _rs_forward(x, w, rows, cols, plan):
   # The reference sums the float32 partials; the fused kernel sums bfloat16 partials.
   z = lax.psum_scatter(partial, plan.axis_name, scatter_dimension=x.ndim - 2, tiled=True)
   return z.astype(plan.out_dtype)
+
+
+def _ar_forward(x, w, rows, cols, plan):
+  if plan.kernel == "fused":
+    return _fused.matmul_all_reduce_fp8(x, w, rows, cols, plan.axis_name,
+                                        out_dtype=plan.out_dtype)
+  partial = scaled_matmul(x, w, rows, cols, precision=plan.precision,
+                          transpose_w=plan.transpose_w)
+  # As for the reduce-scatter: float32 partials here, bfloat16 partials in the fused kernel.
+  return lax.psum(partial, plan.axis_name).astype(plan.out_dtype)
 
 
 def scaled_matmul(x, w, x_scale_rows, w_scale_cols, *, precision=None, transpose_w=False):

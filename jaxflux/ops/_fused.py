@@ -3,7 +3,8 @@ bytes, and the tuning choice (jaxflux.tuning, resolved here once per call) as at
 
 Every result is typed like the XLA path's (its varying mesh axes), which a custom_vjp's
 backward needs. At tp=1 there is nothing to gather or reduce: the op is its GEMM alone, the
-GEMM-only target (ops/gemm.py) with CUTLASS's persistent kernel, typed the same way."""
+GEMM-only target (ops/gemm.py) tuned as GEMM+AllReduce tunes its GEMM (by rows: the swap-AB
+decode GEMM for few rows, CUTLASS's persistent GEMM for many), typed the same way."""
 from __future__ import annotations
 
 import math
@@ -14,6 +15,9 @@ from jax import lax
 
 from jaxflux import _runtime, tuning
 from jaxflux.ops import _attributes, _common, _group_call, gemm
+
+# The GEMM-only kernel an op runs at tp=1: GEMM+AllReduce's GEMM is a plain GEMM tuned by rows.
+TP1_KERNEL = "matmul_all_reduce"
 
 
 def all_gather_matmul(x, w, axis_name: str, want_gathered: bool, *, transpose_w: bool = False,
@@ -27,7 +31,7 @@ def all_gather_matmul(x, w, axis_name: str, want_gathered: bool, *, transpose_w:
   # Typed like the XLA path's results: varying along the gathered axis and wherever x, w vary.
   axes = _common.vma(x) | _common.vma(w) | {axis_name}
   if tp == 1:
-    y = gemm.call(x, w, kernel="cutlass", transpose_w=transpose_w, out_dtype=x.dtype)
+    y = gemm.call(x, w, kernel=TP1_KERNEL, transpose_w=transpose_w, out_dtype=x.dtype)
     return _common.mark_varying(y, axes), (_common.mark_varying(x, axes) if want_gathered
                                            else None)
   shard_bytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
@@ -59,7 +63,7 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
   # Typed like the XLA path's result: varying along the scattered axis and wherever x, w vary.
   axes = _common.vma(x) | _common.vma(w) | {axis_name}
   if tp == 1:
-    z = gemm.call(x, w, kernel="cutlass", transpose_w=transpose_w, out_dtype=x.dtype)
+    z = gemm.call(x, w, kernel=TP1_KERNEL, transpose_w=transpose_w, out_dtype=x.dtype)
     return _common.mark_varying(z, axes)
   m = x.shape[-2] // tp
   k = x.shape[-1]
@@ -91,7 +95,7 @@ def matmul_all_reduce(x, w, axis_name: str, *, transpose_w: bool = False,
   # w vary.
   axes = (_common.vma(x) | _common.vma(w)) - {axis_name}
   if tp == 1:
-    y = gemm.call(x, w, kernel="cutlass", transpose_w=transpose_w, out_dtype=x.dtype)
+    y = gemm.call(x, w, kernel=TP1_KERNEL, transpose_w=transpose_w, out_dtype=x.dtype)
     return _common.mark_varying(y, axes)
   m, k = x.shape[-2:]
   n = w.shape[0] if transpose_w else w.shape[1]
@@ -174,9 +178,35 @@ def matmul_reduce_scatter_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str, 
   return _common.mark_varying(z, axes)
 
 
+def matmul_all_reduce_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str, *, out_dtype,
+                          debug_skip_rank: int = -1):
+  """y = psum((x · x_scale_rows) · (w · w_scale_cols)ᵀ) for FP8 x [..., M, k] and w [N, k]
+  (K-major), in out_dtype (bfloat16), the same on every rank; the partials pushed and summed
+  are bfloat16."""
+  tp = lax.axis_size(axis_name)
+  # Typed like the XLA path's psum: invariant along the summed axis.
+  axes = (_common.vma(x) | _common.vma(w) | _common.vma(x_scale_rows)
+          | _common.vma(w_scale_cols)) - {axis_name}
+  if tp == 1:
+    return _common.mark_varying(_fp8_gemm(x, w, x_scale_rows, w_scale_cols, out_dtype), axes)
+  m, k = x.shape[-2:]
+  n = w.shape[0]
+  batch = math.prod(x.shape[:-2])
+  out_itemsize = jnp.dtype(out_dtype).itemsize  # the partials' element
+  tuned = tuning.choose_matmul_all_reduce(dtype=jnp.dtype(x.dtype).name, tp=tp, batch=batch,
+                                          m=m, k=k, n=n, itemsize=out_itemsize)
+  # Two parities of tp receive slots, each holding one rank's whole bfloat16 partial.
+  y = _group_call.call(
+      "matmul_all_reduce", jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.dtype(out_dtype)),
+      (x, w), axis_name, 2 * tp * _group_call.slot_bytes(batch * m * n * out_itemsize),
+      scales=_fp8_scales(x_scale_rows, w_scale_cols), debug_skip_rank=debug_skip_rank,
+      transpose_w=1, **_attributes.matmul_all_reduce(tuned.choice))
+  return _common.mark_varying(y, axes)
+
+
 def _fp8_gemm(x, w, x_scale_rows, w_scale_cols, out_dtype):
   """An FP8 op at tp=1: the GEMM-only target on w [n, K], accumulating as the fused FP8
   kernels do."""
   fast = gemm.FP8_ACCUMULATE[jnp.dtype(x.dtype).name] == "fast"
-  return gemm.call(x, w, kernel="cutlass", transpose_w=True, out_dtype=out_dtype,
+  return gemm.call(x, w, kernel=TP1_KERNEL, transpose_w=True, out_dtype=out_dtype,
                    scales=(x_scale_rows, w_scale_cols), fast_accum=int(fast))

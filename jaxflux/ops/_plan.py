@@ -160,8 +160,7 @@ def _out_dtype(op: str, x, w, preferred_element_type, fp8: bool):
 def _fp8_operands(op: str, x, w, x_scale, w_scale) -> bool:
   """True when x and w are FP8 (then the scales are checked by `_fp8_scales`); False for a call
   without FP8 and without scales. Raises TypeError for a 1-byte float other than the two FP8
-  formats, for one FP8 operand without the other, for a scale without FP8 operands, and for FP8
-  operands of matmul_all_reduce."""
+  formats, for one FP8 operand without the other, and for a scale without FP8 operands."""
   for name, a in (("x", x), ("w", w)):
     if _common.is_narrow_float(a.dtype) and not _common.is_fp8(a.dtype):
       raise TypeError(
@@ -169,13 +168,6 @@ def _fp8_operands(op: str, x, w, x_scale, w_scale) -> bool:
           f"float8_e4m3fn and float8_e5m2 (with x_scale and w_scale). Quantize {name} to one of "
           "them.")
   x_fp8, w_fp8 = _common.is_fp8(x.dtype), _common.is_fp8(w.dtype)
-  if op == "matmul_all_reduce" and (x_fp8 or w_fp8):
-    name, a = ("x", x) if x_fp8 else ("w", w)
-    raise TypeError(
-        f"{op}: {name}.dtype={a.dtype}: matmul_all_reduce does not take FP8 operands. FP8 runs "
-        "through all_gather_matmul and matmul_reduce_scatter (x_scale=, w_scale=), i.e. "
-        "tensor parallelism with sequence parallelism (jaxflux.Dense(..., "
-        "sequence_parallel=True)); here pass x and w in bfloat16 or float16.")
   if x_fp8 != w_fp8:
     fp8, other = ("x", "w") if x_fp8 else ("w", "x")
     raise TypeError(

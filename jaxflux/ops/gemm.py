@@ -101,9 +101,6 @@ def attributes(kernel: str, dtype, rows: int, k: int, n: int,
 def _fp8_scales(op: str, x, x_scale, w_scale, n: int, transpose_w: bool, out_dtype,
                 kernel: str, accumulate):
   """The FP8 call's checks; returns (scale operands, out dtype, fast_accum attribute)."""
-  if kernel == "matmul_all_reduce":
-    raise ValueError(f"{op}: GEMM+AllReduce has no FP8 kernel; use kernel='cutlass', "
-                     "'all_gather_matmul' or 'own_rows'.")
   if not transpose_w:
     raise ValueError(f"{op}: FP8 kernels read w K-major; pass its transpose [N, K] with "
                      "transpose_w=True.")

@@ -13,14 +13,16 @@ Backward, with no communication (dY arrives whole on every device, like y):
 impl="auto" takes XLA's psum for this op everywhere: no two-GPU timing of the fused kernel
 against XLA exists yet, and the tuning table's AUTO_RULES take a kernel only where one was
 measured ahead.
+
+FP8 operands (with x_scale and w_scale) run forward-only (ops/_fp8.py).
 """
 from __future__ import annotations
 
-from jaxflux.ops import _differentiable, _plan
+from jaxflux.ops import _differentiable, _fp8, _plan
 
 
 def matmul_all_reduce(x, w, axis_name: str, *, impl: str = "auto", preferred_element_type=None,
-                      precision=None, transpose_w: bool = False):
+                      precision=None, x_scale=None, w_scale=None, transpose_w: bool = False):
   """Multiplies `x` by `w`, then sums the products over `axis_name`.
 
   Equivalent to `lax.psum(x @ w, axis_name)`, with the all-reduce fused with the GEMM when the
@@ -33,18 +35,32 @@ def matmul_all_reduce(x, w, axis_name: str, *, impl: str = "auto", preferred_ele
     axis_name: the tensor-parallel mesh axis (size tp).
     impl: "auto" (XLA for this op, for now), "fused" (fused kernel or an error) or "xla"
       (pure-JAX reference).
-    preferred_element_type: output dtype; default is the promoted input dtype.
-    precision: `lax.Precision` for the XLA path, as in `lax.dot_general`.
+    preferred_element_type: output dtype; default is the promoted input dtype, bfloat16 for FP8.
+    precision: `lax.Precision` for the XLA path, as in `lax.dot_general`. FP8 on Hopper:
+      DEFAULT lets cuBLASLt accumulate fast, HIGHEST asks it for promoted accumulation.
+    x_scale: FP8 only: float32 dequantization scale of x, shape () or (1,) (per tensor) or
+      x.shape[:-1] + (1,) (per row).
+    w_scale: FP8 only: float32 dequantization scale of w, shape () or (1,) (per tensor) or
+      (1, N) (per output column).
     transpose_w: w is given as its transpose, [N, k] (K-major, the layout the kernels read
-      natively); the op multiplies by wᵀ without materializing a transpose. A static Python
-      bool.
+      natively; required by the fused FP8 kernel); the op multiplies by wᵀ without
+      materializing a transpose. A static Python bool.
 
-  FP8 operands are refused (TypeError): all_gather_matmul and matmul_reduce_scatter take them.
+  FP8: x and w each float8_e4m3fn or float8_e5m2 (both FP8 or neither), with both scales; each
+  rank's partial (x.astype(f32) * x_scale) @ (w.astype(f32) * w_scale) is summed over the
+  ranks, then cast to preferred_element_type. The XLA reference sums float32 partials; the
+  fused kernel sums bfloat16 partials (one more rounding per rank). FP8 calls are
+  forward-only: differentiating one raises a TypeError (the layer recipe,
+  jaxflux.Dense(..., dot_general_cls=flax.linen.Fp8DirectDotGeneralOp), trains in FP8).
+  impl="auto" takes XLA for FP8; impl="fused" needs (x, w) in (e4m3, e4m3) or (e5m2, e4m3),
+  transpose_w=True, bfloat16 output, k and N multiples of 16 and tp <= 8.
 
   Returns:
     y [..., M, N].
   """
-  plan, _ = _plan.plan("matmul_all_reduce", x, w, axis_name, impl=impl,
-                       preferred_element_type=preferred_element_type, precision=precision,
-                       transpose_w=transpose_w)
+  plan, scales = _plan.plan("matmul_all_reduce", x, w, axis_name, impl=impl,
+                            preferred_element_type=preferred_element_type, precision=precision,
+                            transpose_w=transpose_w, x_scale=x_scale, w_scale=w_scale)
+  if plan.fp8:
+    return _fp8.matmul_all_reduce(x, w, *scales, plan)
   return _differentiable.matmul_all_reduce(x, w, plan)

@@ -26,9 +26,11 @@ DTYPES = ("bfloat16", "float16")
 SWIZZLES = (1, 2, 4, 8)
 AG_TILES = ("cooperative_128x256_cluster2x1", "pingpong_128x128_cluster1x2")
 OWN_ROWS_SCHEDULES = ("cooperative", "pingpong")
-# GEMM+AllReduce's tiles: CUTLASS's stock persistent GEMM, or stream-K, which splits the K loop
-# of few output tiles (decode) over more SMs.
-AR_TILES = ("cooperative_128x256_cluster2x1", "cooperative_128x128_streamk")
+# GEMM+AllReduce's tiles (GemmTiles, xla_ffi/kernels/gemm_sm90.h): CUTLASS's stock persistent
+# GEMM; stream-K, which splits the K loop of few output tiles over more SMs; and the decode GEMM,
+# swap-AB (the weight's N on the tile's 128-row side, the few rows on its 16-64-wide side) with
+# stream-K. FP8 runs the first and the last.
+AR_TILES = ("cooperative_128x256_cluster2x1", "cooperative_128x128_streamk", "swap_ab_streamk")
 TILE_ROWS = 128  # both all-gather tiles and both own-rows schedules are 128 rows high
 
 __all__ = ["AUTO_RULES", "ENTRIES", "AllGatherMatmulChoice", "AutoRule", "Entry",
@@ -160,7 +162,7 @@ _MIN_WAVES = 4                  # all-gather tile: ping-pong under 4 waves of 12
 _EPILOGUE_BYTES_PER_K = 6144    # the epilogue's no-stall partial size, bytes per K
 _PINGPONG_MAX_K = 16384         # own-rows ping-pong up to this K_local
 _SWIZZLE_MIN_ROWS = 2048        # own-rows swizzle 4 from two bands of 4 cluster rows of tiles
-_DECODE_MAX_ROWS = 128          # GEMM+AllReduce: up to here few output tiles (stream-K's case)
+_DECODE_MAX_ROWS = 128          # GEMM+AllReduce: up to here a decode GEMM (a read of the weight)
 
 
 def all_gather_matmul_class(rows: int, n: int, sms: int) -> str:
@@ -189,8 +191,8 @@ def matmul_reduce_scatter_class(tp: int, batch: int, m: int, k: int, n: int,
 
 def matmul_all_reduce_class(rows: int) -> str:
   """The class of GEMM+AllReduce computing `rows` = batch * M rows: "decode" up to 128 rows
-  (few output tiles: stream-K spreads their K loops over the SMs), else "prefill", suffixed by
-  rows as GEMM+RS's own rows are (the swizzle pays from 2048 rows)."""
+  (the GEMM reads the weight once: its time is the weight's bytes over the memory's rate), else
+  "prefill", suffixed by rows as GEMM+RS's own rows are (the swizzle pays from 2048 rows)."""
   if rows <= _DECODE_MAX_ROWS:
     return "decode"
   return f"prefill.{'rows_ge_2048' if rows >= _SWIZZLE_MIN_ROWS else 'rows_lt_2048'}"

@@ -115,13 +115,14 @@ ENTRIES = (
           "The epilogue reduction sums one peer's partial, so it serves tp=2 only; other group "
           "sizes sum every peer's partial in the separate wait+reduce pass."),
     Entry(_AR, "sm90", "*", "*", "decode",
-          {"tile": "cooperative_128x128_streamk", "push": "whole", "swizzle": 1},
-          ("h200_gemm_all_reduce.json",),
-          "Up to 128 rows there are fewer output tiles than SMs. CUTLASS's stream-K GEMM, every "
-          "tile split along K, read the weight at 1.0-3.7 TB/s against 1.1-2.6 TB/s for the "
-          "persistent 128x256 GEMM, faster on 13 of 16 rows in both runs (not llama70b-out at "
-          "M = 1, 8, 128). Both trail cuBLAS (0.9-4.4 TB/s). One push: the partial is a few "
-          "rows."),
+          {"tile": "swap_ab_streamk", "push": "whole", "swizzle": 1},
+          ("h200_gemm_decode.json", "h200_gemm_all_reduce.json"),
+          "Up to 128 rows the GEMM is a read of the weight. The swap-AB decode GEMM (the weight's "
+          "N on the tile's 128-row side, the rows padded to 16, 32 or 64) took 1.10x cuBLAS's "
+          "time on average over 24 rows at M 1-128, 1.01-1.10x on the 224-576 MiB weights, "
+          "against 1.38x for CUTLASS's stream-K 128x128 GEMM and 1.77x for the persistent "
+          "128x256 one in the same run; it trails cuBLAS most on llama70b-out's 64 MiB (up to "
+          "1.38x, where every kernel's time is mostly fixed cost). One push: a few rows."),
     Entry(_AR, "sm90", "*", "*", "prefill.rows_lt_2048",
           {"tile": "cooperative_128x256_cluster2x1", "push": "chunked", "swizzle": 1},
           ("h200_gemm_all_reduce.json",),
