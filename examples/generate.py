@@ -4,6 +4,7 @@ jaxflux.Dense layers, checked against the same model built from flax.linen.Dense
     python examples/generate.py                        # tp = all local devices
     python examples/generate.py --tp 4 --batch 16      # 2-way dp x 4-way tp on 8 devices
     python examples/generate.py --preset llama70b-8l   # Llama-70B layers, 8 of them (GPUs)
+    python examples/generate.py --dtype bfloat16 --fp8 # Flax's FP8 recipe in both models
 
 The model is train_tp_transformer.py's: the same layers and parameter tree, and its params come
 from that example's init (so a trained checkpoint of it loads as is). Here it runs with a KV
@@ -11,6 +12,16 @@ cache: one prefill of a batch of prompts, then one decode step per new token, gr
 twice from the same params, (a) on jaxflux.Dense layers and (b) on flax.linen.Dense under XLA's
 partitioner, and compares the generated tokens (exit status 1 if they differ on CPU in float32,
 where they must be identical).
+
+Each run is also measured against a float32 reference, the flax.linen.Dense model in float32 on
+the same params (in a float32 run, the flax.linen.Dense run itself): the prefill's logits (the
+one step where every run sees the same inputs) and the leading new tokens that agree. In
+bfloat16 two correct models part after a few greedy steps, as their roundings differ; how far
+each stays from float32 tells whether jaxflux's is as accurate as Flax's.
+
+--fp8 puts Flax's FP8 training recipe (nn.Fp8DirectDotGeneralOp) on the tensor-parallel
+projections of both models: weights and activations quantized to e4m3 per tensor with delayed
+scaling (not a weight-only quantization), the scales from one calibration pass over the prompts.
 
 Sharding (mesh ('dp', 'tp'), dp Explicit, tp Auto): tensor parallelism without sequence
 parallelism. A decode step has one token per sequence, too few to shard, so the residual stream
@@ -143,8 +154,8 @@ class Decoder(nn.Module):
 MODEL_FIELDS = ("vocab", "hidden", "heads", "layers", "ffn", "activation")
 
 
-def build_decoder(args, dense) -> Decoder:
-  return Decoder(*(getattr(args, f) for f in MODEL_FIELDS), dense, jnp.dtype(args.dtype))
+def build_decoder(args, dense, dtype: str | None = None) -> Decoder:
+  return Decoder(*(getattr(args, f) for f in MODEL_FIELDS), dense, jnp.dtype(dtype or args.dtype))
 
 
 def init_params(args, mesh):
@@ -156,21 +167,52 @@ def init_params(args, mesh):
   return train.prepare(targs, mesh, train.flax_dense, specs)[1]
 
 
-def empty_cache(args, mesh, length: int) -> Cache:
+def calibrated_fp8(args, mesh, params, prompts) -> dict:
+  """The FP8 recipe's variables (Flax's collection "_overwrite_with_gradient") as the model
+  initializes them, then updated by one calibration pass over the prompts.
+
+  As initialized, every scale is 1 and every amax history empty: tensors would quantize
+  unscaled, and weights of std 1/sqrt(hidden) (0.011 at hidden 8192) fall below e4m3's normal
+  range (2^-6), keeping few bits. The recipe's delayed scaling takes each tensor's scale from
+  the amaxes of earlier passes, and a pass returns the updated variables as their gradients (as
+  in training, where they overwrite the old ones). So one gradient pass records every tensor's
+  amax, and the generation's passes quantize with scale = amax / 448 from it; they keep these
+  variables fixed (inference has no update step). The jaxflux model calibrates, on its XLA path:
+  Flax's FP8 backward refuses the Explicit dp axis. Both take the whole tensor's amax, so the
+  variables are those Flax's recipe would record.
+  """
+  model = build_decoder(args, train.with_fp8(jaxflux_dense("xla")))
+  cache = empty_cache(args, mesh, args.prompt_len)
+
+  def logit_sum(fp8):
+    logits, _ = model.apply({"params": params, **fp8}, prompts, cache, 0)
+    return logits.astype(jnp.float32).sum()
+
+  def calibrate():
+    variables = model.init(jax.random.key(0), prompts, cache, 0)  # jit drops the unused params
+    return jax.grad(logit_sum)({k: v for k, v in variables.items() if k != "params"})
+
+  return jax.jit(calibrate)()
+
+
+def empty_cache(args, mesh, length: int, dtype: str | None = None) -> Cache:
   shape = (args.batch, length, args.heads, args.hidden // args.heads)
   sharding = NamedSharding(mesh, P("dp", None, "tp", None))
-  make = lambda: [(jnp.zeros(shape, args.dtype),) * 2 for _ in range(args.layers)]
+  make = lambda: [(jnp.zeros(shape, dtype or args.dtype),) * 2 for _ in range(args.layers)]
   return jax.jit(make, out_shardings=sharding)()
 
 
-def compiled_steps(model, params, prompts, cache):
+def compiled_steps(model, variables, prompts, cache):
   """(prefill, decode step, seconds each took to compile), compiled ahead of time so that no
-  timed call compiles. They take tokens [B, T] (prefill) or [B] (the last generated ones) and
-  return (greedy next token [B], float32 logits [B, V], cache); the cache is donated, so each
-  step updates it in place."""
-  def step(params, tokens, cache, pos):
-    tokens = tokens.reshape(tokens.shape[0], -1)  # in the program: no extra dispatch per step
-    logits, cache = model.apply({"params": params}, tokens, cache, pos)
+  timed call compiles. They take the model's variables (params, and with --fp8 the FP8
+  recipe's), tokens [B, T] (prefill) or [B] (the last generated ones) and return (greedy next
+  token [B], float32 logits [B, V], cache); the cache is donated, so each step updates it in
+  place."""
+  def step(variables, tokens, cache, pos):
+    # [B] -> [B, 1] in the program (no extra dispatch per step), by indexing: a reshape drops
+    # the dp sharding of a size-1 dim, and a batch of 1 would then not match the cache's type.
+    tokens = tokens if tokens.ndim == 2 else tokens[:, None]
+    logits, cache = model.apply(variables, tokens, cache, pos)
     logits = logits.astype(jnp.float32)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, cache
 
@@ -178,29 +220,29 @@ def compiled_steps(model, params, prompts, cache):
   out = []
   for tokens in (prompts, prompts[:, 0]):
     start = time.perf_counter()
-    out.append(jitted.lower(params, tokens, cache, jnp.int32(0)).compile())
+    out.append(jitted.lower(variables, tokens, cache, jnp.int32(0)).compile())
     out.append(time.perf_counter() - start)
   return out
 
 
-def generate(model, params, prompts, cache, new_tokens: int) -> dict:
+def generate(model, variables, prompts, cache, new_tokens: int) -> dict:
   """Prefill, then new_tokens - 1 decode steps, each timed until its token is ready (the
   median is the per-token latency; the first step's one-time costs fall outside it)."""
-  prefill, prefill_compile_s, decode, decode_compile_s = compiled_steps(model, params, prompts,
-                                                                        cache)
+  prefill, prefill_compile_s, decode, decode_compile_s = compiled_steps(model, variables,
+                                                                        prompts, cache)
   batch, length = prompts.shape
   positions = [jnp.int32(length + i) for i in range(new_tokens - 1)]
   # The first run of a program pays one-time costs (allocations, thread start-up): time the
   # second. Both write the same cache slots.
   for _ in range(2):
     start = time.perf_counter()
-    token, logits, cache = prefill(params, prompts, cache, jnp.int32(0))
+    token, logits, cache = prefill(variables, prompts, cache, jnp.int32(0))
     token.block_until_ready()
     prefill_s = time.perf_counter() - start
   tokens, all_logits, step_s = [token], [logits], []
   for pos in positions:
     start = time.perf_counter()
-    token, logits, cache = decode(params, token, cache, pos)
+    token, logits, cache = decode(variables, token, cache, pos)
     token.block_until_ready()
     step_s.append(time.perf_counter() - start)
     tokens.append(token)
@@ -226,10 +268,21 @@ def compare(ours: dict, ref: dict) -> dict:
               max_logit_diff=float(diff.max()))
 
 
-def run(label: str, args, mesh, dense, params, prompts, log) -> dict:
-  model = build_decoder(args, dense)
-  cache = empty_cache(args, mesh, args.prompt_len + args.new_tokens)
-  r = generate(model, params, prompts, cache, args.new_tokens)
+def distance(run_: dict, ref: dict) -> dict:
+  """How far a run is from the float32 reference: the largest difference of the prefill's
+  logits (where both saw the same inputs), absolute and relative to the reference's largest
+  logit, and the leading new tokens that agree in every sequence (and on average)."""
+  diff = float(np.abs(run_["logits"][:, 0] - ref["logits"][:, 0]).max())
+  agree = np.cumprod(run_["tokens"] == ref["tokens"], axis=1).sum(axis=1)  # per sequence
+  return dict(max_abs_logit_diff=diff,
+              rel_logit_diff=diff / float(np.abs(ref["logits"][:, 0]).max()),
+              leading_tokens_agree=int(agree.min()), mean_leading_tokens_agree=float(agree.mean()))
+
+
+def run(label: str, args, mesh, dense, variables, prompts, log, dtype: str | None = None) -> dict:
+  model = build_decoder(args, dense, dtype)
+  cache = empty_cache(args, mesh, args.prompt_len + args.new_tokens, dtype)
+  r = generate(model, variables, prompts, cache, args.new_tokens)
   log(f"[{label}] compile: prefill {r['compile_s']['prefill']:.2f} s, decode step "
       f"{r['compile_s']['decode_step']:.2f} s; prefill {r['prefill_ms']:.2f} ms "
       f"({r['prefill_tokens_per_s']:,.0f} tokens/s); decode {r['step_ms_median']:.3f} ms/token "
@@ -261,7 +314,15 @@ def build_parser() -> argparse.ArgumentParser:
                  help="tensor-parallel size, dividing the device count; dp = devices / tp "
                       "(default: all devices)")
   p.add_argument("--dtype", choices=("float32", "bfloat16"),
-                 help="compute and KV cache dtype; the fused kernels need bfloat16")
+                 help="compute and KV cache dtype; the fused kernels and --fp8 need bfloat16")
+  p.add_argument("--fp8", action="store_true",
+                 help="Flax's FP8 training recipe (nn.Fp8DirectDotGeneralOp) on both models' "
+                      "tensor-parallel projections: weights and activations in e4m3, each "
+                      "tensor scaled by delayed scaling. Not a weight-only quantization: this "
+                      "recipe is the FP8 that jaxflux.Dense and its fused FP8 matmuls take. The "
+                      "scales come from one calibration pass over the prompts (the initial "
+                      "scales, 1, would leave small weights with few bits); jaxflux also runs "
+                      "without FP8 for the decode speed. Needs --dtype bfloat16")
   p.add_argument("--seed", type=int, default=0,
                  help="seed of the params (the training example's init) and the prompts (>= 0)")
   p.add_argument("--hidden", type=int, help="model width (divisible by --heads)")
@@ -271,8 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--vocab", type=int, help="vocabulary size (>= 1)")
   p.add_argument("--activation", choices=("gelu", "swiglu"),
                  help="MLP activation (swiglu: gated, fc1 twice as wide)")
-  p.add_argument("--quiet", action="store_true", help="print the verdict only")
-  p.add_argument("--out", metavar="FILE.json", help="write config, timings, the comparison, "
+  p.add_argument("--quiet", action="store_true", help="print the comparisons only")
+  p.add_argument("--out", metavar="FILE.json", help="write config, timings, the comparisons, "
                  "machine and versions")
   return p
 
@@ -294,12 +355,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   if args.impl == "fused" and args.dtype != "bfloat16":
     p.error(f"--impl fused needs --dtype bfloat16 (the fused kernels' dtype), not {args.dtype}: "
             "add --dtype bfloat16, or use --impl auto")
+  if args.fp8 and args.dtype != "bfloat16":
+    p.error(f"--fp8 needs --dtype bfloat16, not {args.dtype}: FP8 stands in for 16-bit matmuls "
+            "(the recipe computes in the compute dtype, jaxflux's fused FP8 matmuls give "
+            "bfloat16) and float32 is the reference it is measured against: add --dtype bfloat16")
   return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-  """Runs both models. Returns the config, both runs' timings and tokens and the comparison (as
-  in the JSON record), and for further checks the params, the prompts and both runs' logits."""
+  """Runs the models. Returns the config, every run's timings and tokens, the comparison and
+  the distances to float32 (as in the JSON record), and for further checks the params, the FP8
+  variables ({} without --fp8), the prompts and the runs' logits."""
   args = parse_args(argv)
   train.check_layout(build_parser(), args, jax.device_count(), ("heads", "ffn"))
   try:
@@ -315,8 +381,10 @@ def run_example(args, argv: Sequence[str] | None) -> dict:
   mesh = train.make_mesh(args.tp)
   dp, tp = mesh.shape["dp"], mesh.shape["tp"]
   platform_ = mesh.devices.flat[0].platform
+  kind = args.dtype + (" + FP8" if args.fp8 else "")
+  fp8_note = ", FP8 recipe on the tensor-parallel projections" if args.fp8 else ""
   log(f"mesh: dp={dp} x tp={tp} on {platform_} ({mesh.devices.size} devices), dtype="
-      f"{args.dtype}, impl={args.impl}; fused kernels "
+      f"{args.dtype}, impl={args.impl}{fp8_note}; fused kernels "
       f"{'available' if jaxflux.has_cuda() else 'unavailable'} here")
   # Prompts as the training data looks (a per-row arithmetic sequence with noise).
   prompts_host = train.synthetic_batch(args.seed, 0, args.batch, args.prompt_len - 1, args.vocab)
@@ -325,26 +393,79 @@ def run_example(args, argv: Sequence[str] | None) -> dict:
     prompts = jax.device_put(prompts_host, NamedSharding(mesh, P("dp", None)))
     log(f"params: {sum(x.size for x in jax.tree.leaves(params)):,}; batch {args.batch}, "
         f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens")
-    ours = run("jaxflux", args, mesh, jaxflux_dense(args.impl), params, prompts, log)
-    ref = run("flax", args, mesh, train.flax_dense, params, prompts, log)
+    fp8 = calibrated_fp8(args, mesh, params, prompts) if args.fp8 else {}
+    recipe = train.with_fp8 if args.fp8 else (lambda dense: dense)
+    variables = {"params": params, **fp8}
+    runs = {"jaxflux": run("jaxflux", args, mesh, recipe(jaxflux_dense(args.impl)), variables,
+                           prompts, log),
+            "flax": run("flax", args, mesh, recipe(train.flax_dense), variables, prompts, log)}
+    if args.fp8:  # what FP8 is for: the decode speed against the same layers without it
+      runs["jaxflux_no_fp8"] = run(f"jaxflux, {args.dtype} without FP8", args, mesh,
+                                   jaxflux_dense(args.impl), {"params": params}, prompts, log)
+    if args.dtype == "float32":
+      reference = runs["flax"]
+    else:
+      # On GPUs float32 matmuls default to TF32: the reference asks for full float32.
+      with jax.default_matmul_precision("float32"):
+        reference = run("flax, float32 reference", args, mesh, train.flax_dense,
+                        {"params": params}, prompts, log, dtype="float32")
+  ours, ref = runs["jaxflux"], runs["flax"]
   match = compare(ours, ref)
   # Identical on the XLA path in float32 on CPU; elsewhere (TF32 or bfloat16 matmuls, fused
   # kernels summing in another order) a near-tie can flip a token: reported, not failed.
   exact = platform_ == "cpu" and args.dtype == "float32"
-  ok = match["tokens_match"] or not exact
   where = ("all steps" if match["tokens_match"]
            else f"step {match['first_diff_step']}, the first that differs")
-  print(f"generated tokens {'MATCH' if match['tokens_match'] else 'DIFFER'} between jaxflux.Dense "
-        f"and flax.linen.Dense; max logit difference {match['max_logit_diff']:.3e} ({where})")
+  if match["tokens_match"] or exact:
+    print(f"generated tokens {'MATCH' if match['tokens_match'] else 'DIFFER'} between "
+          f"jaxflux.Dense and flax.linen.Dense; max logit difference "
+          f"{match['max_logit_diff']:.3e} ({where})")
+  else:
+    print(f"generated tokens of jaxflux.Dense and flax.linen.Dense ({kind}) part at step "
+          f"{match['first_diff_step']}, where the max logit difference is "
+          f"{match['max_logit_diff']:.3e}: their roundings differ, so a near-tie can go either "
+          "way; the distances to float32 below tell which stays closer")
+
+  vs_float32 = {name: distance(r, reference) for name, r in runs.items()}
+  scale = float(np.abs(reference["logits"][:, 0]).max())
+  print(f"distance to float32 (flax.linen.Dense in float32, same params; prefill logits up to "
+        f"{scale:.3g} in magnitude):")
+  labels = {"jaxflux": f"jaxflux.Dense, {kind}", "flax": f"flax.linen.Dense, {kind}",
+            "jaxflux_no_fp8": f"jaxflux.Dense, {args.dtype}"}
+  width = max(len(labels[name]) for name in runs)
+  for name, d in vs_float32.items():
+    print(f"  {labels[name]:<{width}}  prefill logits max |diff| {d['max_abs_logit_diff']:.3e} "
+          f"({d['rel_logit_diff']:.2e} of the largest); first {d['leading_tokens_agree']} of "
+          f"{args.new_tokens} new tokens agree in every sequence (mean "
+          f"{d['mean_leading_tokens_agree']:.1f})")
+  if args.fp8:
+    base = runs["jaxflux_no_fp8"]
+    print(f"decode, jaxflux.Dense: FP8 {ours['step_ms_median']:.3f} ms/token "
+          f"({ours['tokens_per_s']:,.0f} tokens/s), {args.dtype} without FP8 "
+          f"{base['step_ms_median']:.3f} ms/token ({base['tokens_per_s']:,.0f} tokens/s): "
+          f"{base['step_ms_median'] / ours['step_ms_median']:.2f}x")
+  # A non-finite logit is wrong in any dtype.
+  nonfinite = [name for name, r in {**runs, "float32 reference": reference}.items()
+               if not np.isfinite(r["logits"]).all()]
+  if nonfinite:
+    print(f"non-finite logits in: {', '.join(nonfinite)}")
+  ok = (match["tokens_match"] or not exact) and not nonfinite
+
   timings = lambda r: {k: v for k, v in r.items() if k not in ("tokens", "logits")}
-  result = dict(config=vars(args), dp=dp, tp=tp, jaxflux=timings(ours), flax=timings(ref),
+  result = dict(config=vars(args), dp=dp, tp=tp, **{name: timings(r) for name, r in runs.items()},
                 match=match, exact_match_required=exact, ok=ok,
-                tokens=ours["tokens"].tolist(), flax_tokens=ref["tokens"].tolist())
+                vs_float32=dict(reference="flax.linen.Dense, float32", logit_scale=scale,
+                                **vs_float32),
+                tokens=ours["tokens"].tolist(), flax_tokens=ref["tokens"].tolist(),
+                float32_tokens=reference["tokens"].tolist())
+  if reference is not ref:
+    result["float32_reference"] = timings(reference)
   if args.out:
     write_record(args.out, sys.argv[1:] if argv is None else list(argv), result)
     log(f"wrote {args.out}")
-  return dict(result, params=params, prompts=prompts_host, logits=ours["logits"],
-              flax_logits=ref["logits"])
+  return dict(result, params=params, fp8_variables=fp8, prompts=prompts_host,
+              logits=ours["logits"], flax_logits=ref["logits"],
+              float32_logits=reference["logits"])
 
 
 def write_record(path: str, argv: Sequence[str], result: dict) -> None:

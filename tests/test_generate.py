@@ -1,9 +1,11 @@
 """The generation example, examples/generate.py: greedy decoding with a KV cache from the
 training example's model, its tensor-parallel layers jaxflux.Dense without sequence parallelism.
 Checked: it generates the same tokens as the same model on flax.linen.Dense (exactly, on CPU in
-float32); its cached decode gives the logits of the training example's model run on the whole
-sequence without a cache (an independent check of the cache); the timings and the JSON record;
-that it runs as a script and uses jaxflux's public API only. The GPU test runs it on the GPUs.
+float32), for a batch of one too; its cached decode gives the logits of the training example's
+model run on the whole sequence without a cache (an independent check of the cache); its
+distances to the float32 reference (in bfloat16 and with --fp8, whose calibrated FP8 variables
+are those of Flax's own recipe); the timings and the JSON record; that it runs as a script and
+uses jaxflux's public API only. The GPU test runs it on the GPUs.
 """
 import argparse
 import ast
@@ -80,6 +82,15 @@ def test_generates_as_flax_and_as_without_cache(gen, tmp_path, extra, dp, tp):
   assert result["match"]["max_logit_diff"] <= 1e-5
   assert result["exact_match_required"] and result["ok"]
 
+  # In float32 the flax.linen.Dense run is the reference: its distance is 0, jaxflux's ~0.
+  vs = result["vs_float32"]
+  assert set(vs) == {"reference", "logit_scale", "jaxflux", "flax"}, vs
+  assert "float32_reference" not in result and result["float32_tokens"] == result["flax_tokens"]
+  assert vs["flax"] == {"max_abs_logit_diff": 0.0, "rel_logit_diff": 0.0,
+                        "leading_tokens_agree": 5, "mean_leading_tokens_agree": 5.0}
+  assert vs["jaxflux"]["rel_logit_diff"] <= 1e-6 and vs["jaxflux"]["leading_tokens_agree"] == 5
+  assert vs["logit_scale"] == pytest.approx(np.abs(result["flax_logits"][:, 0]).max())
+
   # The cache: every step's logits are those of the whole sequence run without one.
   want = no_cache_logits(gen, argv, result)
   np.testing.assert_allclose(result["logits"], want, rtol=1e-5,
@@ -103,6 +114,146 @@ def test_generates_as_flax_and_as_without_cache(gen, tmp_path, extra, dp, tp):
   assert record["match"] == result["match"] and record["ok"] is True
   assert record["tokens"] == result["tokens"]
   assert record["jaxflux"]["step_ms_median"] == result["jaxflux"]["step_ms_median"]
+  assert record["vs_float32"] == vs
+
+
+def test_generates_a_batch_of_one(gen):
+  """--batch 1 (dp = 1): the decode step's [1] -> [1, 1] tokens keep the batch's dp sharding,
+  so the KV cache update types check; same tokens as flax.linen.Dense and as without a cache."""
+  _require_devices(8)
+  argv = TINY + ["--batch", "1", "--tp", "8", "--activation", "swiglu"]
+  result = gen.main(argv)
+  assert (result["dp"], result["tp"]) == (1, 8)
+  tokens = np.asarray(result["tokens"])
+  assert tokens.shape == (1, 5) and result["ok"] and result["match"]["tokens_match"]
+  assert result["vs_float32"]["jaxflux"]["leading_tokens_agree"] == 5
+  want = no_cache_logits(gen, argv, result)
+  np.testing.assert_allclose(result["logits"], want, rtol=1e-5,
+                             atol=1e-5 * np.abs(want).max())
+  np.testing.assert_array_equal(tokens, want.argmax(-1))
+
+
+def leading_agreement(tokens, ref) -> np.ndarray:
+  """Per sequence, the number of leading new tokens equal to the reference's."""
+  tokens, ref = np.asarray(tokens), np.asarray(ref)
+  return np.array([next((i for i in range(len(t)) if t[i] != r[i]), len(t))
+                   for t, r in zip(tokens, ref)])
+
+
+def check_distance(d: dict, logits, tokens, result) -> None:
+  """A run's distance to float32, recomputed from the returned logits and tokens."""
+  ref = result["float32_logits"]
+  diff = np.abs(logits[:, 0] - ref[:, 0]).max()
+  assert d["max_abs_logit_diff"] == pytest.approx(diff)
+  assert d["rel_logit_diff"] == pytest.approx(diff / np.abs(ref[:, 0]).max())
+  agree = leading_agreement(tokens, result["float32_tokens"])
+  assert d["leading_tokens_agree"] == agree.min()
+  assert d["mean_leading_tokens_agree"] == pytest.approx(agree.mean())
+  assert all(math.isfinite(v) for v in d.values()), d
+
+
+def test_reports_the_distance_to_float32_in_bfloat16(gen, capsys, tmp_path):
+  """bfloat16: each model's distance to the float32 flax.linen.Dense run on the same params. The
+  reference is that run (the example's float32 tokens and logits); both models are near it (a
+  bfloat16 rounding, not more) but not on it; jaxflux no further than Flax by much."""
+  _require_devices(8)
+  argv = TINY + ["--tp", "4"]
+  result = gen.main(argv + ["--dtype", "bfloat16", "--out", str(tmp_path / "run.json")])
+  out = capsys.readouterr().out
+  assert result["ok"] and not result["exact_match_required"]
+  vs = result["vs_float32"]
+  assert set(vs) == {"reference", "logit_scale", "jaxflux", "flax"}, vs
+  assert vs["reference"] == "flax.linen.Dense, float32"
+  check_distance(vs["jaxflux"], result["logits"], result["tokens"], result)
+  check_distance(vs["flax"], result["flax_logits"], result["flax_tokens"], result)
+  for name in ("jaxflux", "flax"):
+    assert 1e-4 < vs[name]["rel_logit_diff"] < 3e-2, vs
+    assert 0 <= vs[name]["leading_tokens_agree"] <= vs[name]["mean_leading_tokens_agree"] <= 5
+  assert vs["jaxflux"]["rel_logit_diff"] <= 2 * vs["flax"]["rel_logit_diff"], vs
+
+  # The reference is the float32 run: the same tokens and logits as the example in float32.
+  f32 = gen.main(argv)
+  assert result["float32_tokens"] == f32["flax_tokens"]
+  np.testing.assert_array_equal(result["float32_logits"], f32["flax_logits"])
+  assert result["float32_reference"]["tokens_per_s"] > 0
+
+  assert "distance to float32 (flax.linen.Dense in float32, same params" in out, out
+  for label in ("jaxflux.Dense, bfloat16", "flax.linen.Dense, bfloat16"):
+    assert f"  {label} " in out, out
+  assert "DIFFER" not in out, out
+  record = json.loads((tmp_path / "run.json").read_text())
+  assert record["vs_float32"] == vs and record["float32_tokens"] == result["float32_tokens"]
+
+
+def fp8_meta(tree) -> dict:
+  """{(layer path): {variable: value}} of the FP8 recipe's variables."""
+  flat = jax.tree_util.tree_flatten_with_path(tree["_overwrite_with_gradient"])[0]
+  out: dict = {}
+  for path, value in flat:
+    keys = tuple(k.key for k in path)
+    out.setdefault(keys[:-1], {})[keys[-1]] = np.asarray(value)
+  return out
+
+
+def test_fp8(gen, capsys):
+  """--fp8: both models run Flax's FP8 recipe from calibrated variables (every forward tensor's
+  amax recorded, as Flax's own recipe records it); generation works; FP8 moves the logits
+  further from float32 than bfloat16 alone does, but not far; the decode speed is reported
+  next to bfloat16's."""
+  from jax.sharding import AxisType
+
+  _require_devices(8)
+  argv = TINY + ["--tp", "4", "--dtype", "bfloat16", "--fp8"]
+  result = gen.main(argv)
+  out = capsys.readouterr().out
+  tokens = np.asarray(result["tokens"])
+  assert tokens.shape == (4, 5) and tokens.min() >= 0 and tokens.max() < 64
+  assert result["ok"] and not result["exact_match_required"]
+
+  vs = result["vs_float32"]
+  assert set(vs) == {"reference", "logit_scale", "jaxflux", "flax", "jaxflux_no_fp8"}, vs
+  check_distance(vs["jaxflux"], result["logits"], result["tokens"], result)
+  check_distance(vs["flax"], result["flax_logits"], result["flax_tokens"], result)
+  bf16 = vs["jaxflux_no_fp8"]["rel_logit_diff"]
+  for name in ("jaxflux", "flax"):
+    assert 2 * bf16 < vs[name]["rel_logit_diff"] < 0.2, vs  # e4m3: 3 mantissa bits
+  # Same recipe, same variables: the two FP8 models' prefill logits stay close.
+  first = np.abs(result["logits"][:, 0] - result["flax_logits"][:, 0]).max()
+  assert first <= 0.1 * vs["logit_scale"], first
+  assert result["jaxflux_no_fp8"]["tokens_per_s"] > 0 and result["jaxflux"]["tokens_per_s"] > 0
+  assert "jaxflux.Dense, bfloat16 + FP8 " in out and "flax.linen.Dense, bfloat16 + FP8 " in out
+  assert "decode, jaxflux.Dense: FP8 " in out and "bfloat16 without FP8 " in out, out
+
+  # The calibrated variables: one per projection (the LM head has none), each forward tensor's
+  # amax in its history's first slot, as Flax's own recipe records it (run on a dp Auto mesh:
+  # its FP8 backward refuses the Explicit one).
+  ours = fp8_meta(result["fp8_variables"])
+  assert {k[:-1] for k in ours} == {("block0", "attn", "qkv"), ("block0", "attn", "out"),
+                                    ("block0", "mlp", "fc1"), ("block0", "mlp", "fc2")}, ours
+  for meta in ours.values():
+    for name in ("input", "kernel"):
+      history = meta[f"{name}_amax_history"]
+      assert history[0] > 0 and not history[1:].any(), history[:4]
+      assert meta[f"{name}_scale"] == 1  # delayed: the next pass scales by the history
+  args = gen.parse_args(argv)
+  mesh = gen.train.make_mesh(args.tp, AxisType.Auto)
+  with jax.set_mesh(mesh):
+    model = gen.build_decoder(args, gen.train.with_fp8(gen.train.flax_dense))
+    prompts = jax.device_put(result["prompts"], jax.NamedSharding(mesh, jax.P("dp", None)))
+    cache = gen.empty_cache(args, mesh, args.prompt_len)
+    params = jax.device_put(result["params"], jax.NamedSharding(mesh, jax.P()))
+
+    def logit_sum(fp8):
+      logits, _ = model.apply({"params": params, **fp8}, prompts, cache, 0)
+      return logits.astype(np.float32).sum()
+
+    init = jax.jit(lambda: {k: v for k, v in model.init(jax.random.key(0), prompts, cache,
+                                                         0).items() if k != "params"})()
+    theirs = fp8_meta(jax.jit(jax.grad(logit_sum))(init))
+  assert ours.keys() == theirs.keys()
+  for key, meta in ours.items():
+    for name in ("input_amax_history", "kernel_amax_history", "input_scale", "kernel_scale"):
+      np.testing.assert_allclose(meta[name], theirs[key][name], rtol=2e-2, err_msg=str(key))
 
 
 def test_decoder_has_the_training_models_params(gen):
@@ -139,7 +290,7 @@ def decode_hlo(gen, argv) -> str:
     prompts = jax.device_put(np.zeros((args.batch, args.prompt_len), np.int32),
                              jax.sharding.NamedSharding(mesh, jax.P("dp", None)))
     model = gen.build_decoder(args, gen.jaxflux_dense(args.impl))
-    _, _, decode, _ = gen.compiled_steps(model, params, prompts, cache)
+    _, _, decode, _ = gen.compiled_steps(model, {"params": params}, prompts, cache)
   return decode.as_text()
 
 
@@ -169,6 +320,7 @@ def test_help(gen, capsys, preset):
   assert entries["--hidden HIDDEN"].endswith(f"(default: {8192 if preset else 128})"), entries
   assert entries["--new-tokens NEW_TOKENS"].endswith(f"(default: {64 if preset else 32})")
   assert entries["--tp TP"].endswith("(default: all devices)"), entries
+  assert "(default" not in entries["--fp8"] and "Not a weight-only" in entries["--fp8"]
 
 
 @pytest.mark.parametrize("extra, message", flag_cases(
@@ -185,6 +337,7 @@ def test_help(gen, capsys, preset):
     (["--seed", "-1"], "--seed -1 must be at least 0"),
     (["--heads", "6"], "--hidden 64 must be divisible by --heads 6: use a --heads that divides 64"),
     (["--impl", "fused"], "--impl fused needs --dtype bfloat16"),
+    (["--fp8"], "--fp8 needs --dtype bfloat16, not float32: FP8 stands in for 16-bit matmuls"),
     (["--preset", "big"], "argument --preset: invalid choice: 'big'"),
 ))
 def test_rejects_bad_flags(gen, capsys, extra, message):
@@ -200,6 +353,9 @@ def test_rejects_bad_flags(gen, capsys, extra, message):
     (["--ffn", "100", "--tp", "8"], "--ffn 100 must be divisible by tp=8"),
     (["--batch", "3", "--tp", "4"],
      "--batch 3 must be divisible by dp=2 (devices / tp = 8 / 4): use a multiple of 2, or a "
+     "larger --tp"),
+    (["--batch", "1", "--tp", "4"],
+     "--batch 1 must be divisible by dp=2 (devices / tp = 8 / 4): use a multiple of 2, or a "
      "larger --tp"),
 ))
 def test_rejects_layouts_the_devices_cannot_run(gen, capsys, extra, message):
