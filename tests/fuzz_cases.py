@@ -27,7 +27,8 @@ So `m` is always the per-rank token rows the op is about, `k` the contraction on
 Tolerances. Inputs are exactly representable in their dtype and the reference multiplies those
 same values in float64, so only what the kernels round is measured:
   - the output, rounded once to bfloat16 / float16 (round to nearest: at most u|y| per element,
-    u = 2^-8 and 2^-11);
+    u = 2^-8 and 2^-11, or half the subnormal step where |y| is below the smallest normal, as
+    gradients of tiny values can be);
   - GEMM+RS's and GEMM+AR's partial products, pushed between ranks in the output dtype and
     summed in fp32 (reduce_kernels.cu, the RS epilogue's C): at most u|p_r| per element each;
   - accumulation: fp32 for bf16/fp16 (error ~2^-24 sqrt(K) of the products' scale, negligible
@@ -68,6 +69,8 @@ DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.dtype(np.float16),
 FP8_W_DTYPE = "float8_e4m3fn"  # the fused FP8 kernels take an e4m3 weight only
 # Unit roundoff of the output dtype (FP8 calls write bfloat16).
 ROUNDING = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+# Below the smallest normal the rounding is absolute: half the subnormal step (float16 2^-24).
+SUBNORMAL_ROUNDING = {"bfloat16": 2.0 ** -134, "float16": 2.0 ** -25}
 FP32_ACCUMULATION = 2.0 ** -14  # far above fp32 summation's ~2^-24 sqrt(K): a safe allowance
 FP8_ACCUMULATION = 5e-3  # fast accumulation, relative Frobenius (module docstring)
 # The same per element, relative to its magnitude: 12x the Frobenius allowance, for the tail
@@ -444,7 +447,11 @@ def bounds(expected: Expected) -> tuple:
   u = ROUNDING[expected.out_dtype]
   y_norm = np.linalg.norm(expected.y)
   terms_sq = sum(float(np.linalg.norm(t)) ** 2 for t in expected.terms)
-  rounding = u * math.sqrt(1.0 + terms_sq / y_norm ** 2)
+  # Each rounding (the output's and every pushed partial's) may also be a subnormal one.
+  roundings = 1 + len(expected.terms)
+  subnormal = SUBNORMAL_ROUNDING[expected.out_dtype] * roundings
+  rounding = math.sqrt(u ** 2 * (1.0 + terms_sq / y_norm ** 2)
+                       + subnormal ** 2 * expected.y.size / y_norm ** 2)
   acc = FP8_ACCUMULATION if expected.fp8 else FP32_ACCUMULATION
   accumulation = acc * float(np.linalg.norm(expected.magnitude)) / y_norm
   frobenius = math.sqrt(rounding ** 2 + accumulation ** 2)
@@ -455,6 +462,7 @@ def bounds(expected: Expected) -> tuple:
     element += np.abs(t, dtype=np.float32)
   element *= np.float32(u * (1 + 2.0 ** -6))
   element += np.float32(acc_element) * expected.magnitude
+  element += np.float32(subnormal)
   return frobenius, element
 
 

@@ -318,3 +318,23 @@ def test_gradient_references_match_xla_at_tp1(case):
   assert fc.check(fc.reference(case, shards, 0), got).ok
   for name, verdict in fc.run_grads(case, shards, mesh, impl="xla"):
     assert verdict.ok, f"{case.describe()} {name}: {verdict}"
+
+
+def test_subnormal_outputs_are_bounded_by_half_their_step():
+  """Below float16's smallest normal the rounding is absolute, half the subnormal step 2^-24:
+  a correctly rounded subnormal passes, one a step further off fails. (A dW of tiny products at
+  one row, replay JAXFLUX_FUZZ_CASES=ar:28 at tp=1, has such elements.)"""
+  y = np.full((4, 4), 3.733e-7)
+  want = fc.Expected(y=y, terms=(), magnitude=np.abs(y).astype(np.float32),
+                     out_dtype="float16", fp8=False)
+  rounded = y.astype(np.float16)  # 6 * 2^-24 = 3.576e-7
+  assert fc.check(want, rounded).ok
+  assert not fc.check(want, rounded.astype(np.float64) - 2.0 ** -24).ok
+
+
+def test_the_one_row_weight_gradient_case_passes_through_xla():
+  (case,) = fc.select(fc.draw_cases(SEED, tp=1, per_op=40), "ar:28")
+  assert (case.dtype, case.m, case.transpose_w) == ("float16", 1, True)
+  mesh = make_mesh((1,), ("tp",))
+  for name, verdict in fc.run_grads(case, fc.make_shards(case), mesh, impl="xla"):
+    assert verdict.ok, f"{case.describe()} {name}: {verdict}"
