@@ -158,13 +158,13 @@ def test_odd_shapes_match_float32_reference(x_lead, k, n, fmt, request, record_p
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("x_lead,k,n", [
-    ((1,), 4096, 1024),       # one token: the 16-token tile, 15 rows of padding
-    ((3,), 272, 144),         # K and N multiples of 16 only
-    ((17,), 1024, 512),       # the 32-token tile
-    ((64,), 2048, 1024),      # the 64-token tile, full
-    ((100,), 1024, 384),      # two 64-token tiles
-    ((2, 5), 512, 256),       # batched x: batch dims fold into 10 rows
-], ids=["M1", "M3-K272-N144", "M17", "M64", "M100", "batch2x5"])
+    pytest.param((1,), 4096, 1024, id="M1"),  # one token: the 16-token tile, 15 rows of padding
+    pytest.param((3,), 272, 144, id="M3-K272-N144", marks=pytest.mark.slow),  # K, N 16s only
+    pytest.param((17,), 1024, 512, id="M17", marks=pytest.mark.slow),  # the 32-token tile
+    pytest.param((64,), 2048, 1024, id="M64", marks=pytest.mark.slow),  # the 64-token tile
+    pytest.param((100,), 1024, 384, id="M100"),  # two 64-token tiles
+    pytest.param((2, 5), 512, 256, id="batch2x5", marks=pytest.mark.slow),  # folds into 10 rows
+])
 def test_decode_rows_match_float32_reference(x_lead, k, n, fmt, request, record_property):
   """Decode rows, where GEMM+AllReduce's GEMM is the swap-AB decode GEMM."""
   _check_kernels(request.node.callspec.id, x_lead, k, n, fmt, record_property)

@@ -222,10 +222,18 @@ def test_stream_k_gemms_are_bitwise_deterministic(tile):
       np.testing.assert_array_equal(first, again)
 
 
+def _decode_params():
+  """(dtype, transpose_w, m): bf16 at one row, 17 and 100 rows (each token width once) in the
+  quick tier; every other combination slow."""
+  quick = {(jnp.bfloat16, 1), (jnp.bfloat16, 17), (jnp.bfloat16, 100)}
+  return [pytest.param(dtype, tw, m, marks=() if (dtype, m) in quick else pytest.mark.slow,
+                       id=f"{jnp.dtype(dtype).name}-{'kmajor' if tw else 'nmajor'}-M{m}")
+          for dtype in (jnp.bfloat16, jnp.float16) for tw in (False, True)
+          for m in (1, 3, 16, 17, 33, 64, 100, 128)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("transpose_w", [False, True])
-@pytest.mark.parametrize("m", [1, 3, 16, 17, 33, 64, 100, 128])
+@pytest.mark.parametrize("dtype,transpose_w,m", _decode_params())
 def test_decode_gemm_matches_float32_reference(dtype, transpose_w, m):
   """The swap-AB decode GEMM at each token width (16, 32, 64), row counts padded up to one,
   and past 64 rows in several token tiles; the weight N-major and K-major. Every element is
