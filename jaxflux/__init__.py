@@ -1,14 +1,14 @@
 """jaxflux: tensor-parallel matmuls with the collective hidden inside the GEMM (FLUX for JAX).
 
 Ops (per-device view, inside `jax.shard_map`): `all_gather_matmul`, `matmul_reduce_scatter`,
-`matmul_all_reduce`.
+`matmul_all_reduce`; `grouped_matmul`, the grouped GEMM of mixture-of-experts layers.
 Flax layers (global view, under `jit` with a mesh): `jaxflux.Dense` (Linen), `jaxflux.nnx.Linear`.
 Kernel choices: `jaxflux.tuning` (the measured table, and `override` for measurement).
 """
 from jaxflux._runtime import check_errors, configure, has_cuda
 from jaxflux import tuning
-from jaxflux.ops import (FusedKernelUnavailableError, all_gather_matmul, matmul_all_reduce,
-                         matmul_reduce_scatter)
+from jaxflux.ops import (FusedKernelUnavailableError, all_gather_matmul, grouped_matmul,
+                         matmul_all_reduce, matmul_reduce_scatter)
 
 __version__ = "0.2.0"
 
@@ -18,6 +18,7 @@ __all__ = [
     "all_gather_matmul",
     "check_errors",
     "configure",
+    "grouped_matmul",
     "has_cuda",
     "matmul_all_reduce",
     "matmul_reduce_scatter",

@@ -141,7 +141,10 @@ ENTRIES = (
 )
 
 # GEMM+AllReduce has no rule, so impl="auto" takes XLA's psum for it: no two-GPU timing of the
-# fused op against XLA exists yet to say where it wins.
+# fused op against XLA exists yet to say where it wins. No op has a rule at tp=1 either: there
+# the op is its GEMM alone, and the GEMM-only tables put it behind cuBLAS on average (decode
+# GEMM 1.10x at M <= 128, h200_gemm_decode.json; persistent GEMM 1.075x above,
+# h200_gemm_all_reduce.json).
 AUTO_RULES = (
     AutoRule(_AG, "sm90", 2, 2048, None, ("h200x2_ag_gemm_tp2.json",),
              "On 2xH200 the fused kernel was at least level with XLA on every benchmark shape "

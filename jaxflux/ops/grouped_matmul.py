@@ -1,0 +1,119 @@
+"""Grouped GEMM, the expert matmul of a mixture-of-experts layer: the rows of x are sorted by
+group (expert), and each group's rows are multiplied by that group's weight.
+
+  x [M, K]             tokens sorted by group: group 0's rows first, then group 1's, ...
+  w [G, K, N]          one weight per group ([G, N, K] with transpose_w)
+  group_sizes [G]      rows per group (integer), summing to at most M
+  y [M, N]             y[i] = x[i] @ w[g] for row i of group g; rows past sum(group_sizes) are 0
+
+The semantics are those of `jax.lax.ragged_dot`. The XLA path is `lax.ragged_dot_general`,
+which contracts a weight given as [G, N, K] (transpose_w) over its last axis in place, with no
+transposed copy. Its differentiation is ragged_dot's own: dx and dw are ragged dots too, zero
+for rows past the sum and for empty groups.
+
+No fused grouped GEMM kernel is built yet: impl="fused" raises FusedKernelUnavailableError,
+and impl="auto" runs the XLA path.
+
+The op communicates nothing, so in expert parallelism it runs inside `jax.shard_map` on each
+device's own experts (w, group_sizes) and the rows routed to them (x).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from jaxflux.ops import _common, _plan
+
+_OP = "grouped_matmul"
+
+
+def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", preferred_element_type=None,
+                   transpose_w: bool = False, precision=None):
+  """Multiplies each group of rows of `x` by its group's weight in `w`.
+
+  Equivalent to `jax.lax.ragged_dot(x, w, group_sizes)` (with transpose_w, to ragged_dot by
+  `w.swapaxes(1, 2)`, without materializing it).
+
+  Args:
+    x: [M, K] rows sorted by group: the first group_sizes[0] rows belong to group 0, the next
+      group_sizes[1] to group 1, and so on.
+    w: [G, K, N] one weight per group ([G, N, K] with transpose_w).
+    group_sizes: [G] integer row counts (any integer dtype; cast to int32). Traced values: a
+      sum above M is not checked, and, as in ragged_dot, is the caller's responsibility.
+    impl: "auto" (the XLA path, for now), "fused" (the fused grouped GEMM kernel, not built
+      yet: raises FusedKernelUnavailableError) or "xla" (`lax.ragged_dot_general`).
+    preferred_element_type: the output dtype, a floating dtype; default is the promoted dtype
+      of x and w.
+    transpose_w: w is given K-major, [G, N, K]; the op multiplies by each w[g]ᵀ in place. A
+      static Python bool.
+    precision: `lax.Precision` for the XLA path, as in `lax.ragged_dot`.
+
+  Returns:
+    y [M, N] in preferred_element_type; rows past sum(group_sizes) are zeros.
+  """
+  _plan.check_impl(_OP, impl)
+  transpose_w = _plan._static_bool(_OP, "transpose_w", transpose_w)
+  group_sizes = _check_operands(x, w, group_sizes, transpose_w)
+  out_dtype = _out_dtype(x, w, preferred_element_type)
+  if impl == "fused":
+    raise _common.FusedKernelUnavailableError(
+        f"{_OP}(impl='fused'): the grouped GEMM kernel is not built yet (jaxflux has no fused "
+        "grouped kernel). Use impl='xla' or impl='auto' to run jax.lax.ragged_dot.")
+  return lax.ragged_dot_general(x, w, group_sizes, _dimension_numbers(transpose_w),
+                                precision=precision, preferred_element_type=out_dtype)
+
+
+def _dimension_numbers(transpose_w: bool) -> lax.RaggedDotDimensionNumbers:
+  """x's rows (axis 0) are ragged over w's groups (axis 0); K is w's axis 1, or 2 when w is
+  given [G, N, K]."""
+  return lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(((1,), (2 if transpose_w else 1,)), ((), ())),
+      lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
+
+
+def _check_operands(x, w, group_sizes, transpose_w: bool):
+  """Ranks, contraction size and dtypes of x, w and group_sizes (static facts only); returns
+  group_sizes as int32."""
+  if jnp.ndim(x) != 2:
+    raise ValueError(f"{_OP}: x must have rank 2 ([M, K], rows sorted by group); got shape "
+                     f"{jnp.shape(x)}. Flatten the token axes, e.g. x.reshape(-1, x.shape[-1]).")
+  layout = "[G, N, K]" if transpose_w else "[G, K, N]"
+  if jnp.ndim(w) != 3:
+    fix = ("For a single group pass w[None] (with group_sizes of length 1)." if jnp.ndim(w) == 2
+           else "Stack the groups' weights along axis 0.")
+    raise ValueError(f"{_OP}: w must have rank 3 ({layout}, one weight per group); got shape "
+                     f"{jnp.shape(w)}. {fix}")
+  w_k = w.shape[2] if transpose_w else w.shape[1]
+  if x.shape[1] != w_k:
+    fix = ("With transpose_w=True w is [G, N, K]; pass transpose_w=False if it is stored "
+           "[G, K, N]." if transpose_w else
+           "Pass w as [G, K, N], or pass transpose_w=True if it is stored [G, N, K].")
+    raise ValueError(f"{_OP}: contraction sizes differ: x has K={x.shape[1]} (x.shape={x.shape}) "
+                     f"but w has K={w_k} (w.shape={w.shape}, transpose_w={transpose_w}). {fix}")
+  for name, a in (("x", x), ("w", w)):
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+      raise TypeError(f"{_OP}: {name} must be a floating-point array; got dtype {a.dtype}. "
+                      f"Cast it, e.g. {name}.astype(jnp.bfloat16).")
+    if _common.is_narrow_float(a.dtype):
+      # An FP8 operand means quantized values, which need scales this op does not take yet.
+      raise TypeError(f"{_OP}: {name}.dtype={a.dtype}: FP8 (1-byte float) operands are not "
+                      f"supported (no scales). Dequantize {name} to bfloat16 or float32.")
+  if not hasattr(group_sizes, "dtype"):
+    group_sizes = jnp.asarray(group_sizes)
+  num_groups = w.shape[0]
+  if jnp.ndim(group_sizes) != 1 or group_sizes.shape[0] != num_groups:
+    raise ValueError(f"{_OP}: group_sizes must have shape (G,) = ({num_groups},), one row count "
+                     f"per group of w (w.shape={w.shape}); got shape {jnp.shape(group_sizes)}.")
+  if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise TypeError(f"{_OP}: group_sizes must have an integer dtype (row counts); got "
+                    f"{group_sizes.dtype}. Pass group_sizes.astype(jnp.int32).")
+  return group_sizes.astype(jnp.int32)
+
+
+def _out_dtype(x, w, preferred_element_type):
+  dtype = _common.result_dtype(x, w, preferred_element_type)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{_OP}: preferred_element_type={dtype} is not a floating dtype. Pass "
+                    "jnp.float32 or jnp.bfloat16, or None for the promoted dtype of x and w "
+                    f"({jnp.result_type(x.dtype, w.dtype)}).")
+  return dtype

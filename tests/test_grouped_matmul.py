@@ -1,0 +1,313 @@
+"""grouped_matmul (the XLA path, jax.lax.ragged_dot) against per-group float64 NumPy references:
+forward, gradients, jit, shard_map, and the trace-time errors."""
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from conftest import make_mesh
+from jaxflux.ops import FusedKernelUnavailableError
+from jaxflux.ops.grouped_matmul import grouped_matmul
+
+# (M, K, N, group_sizes): empty groups, all rows in one group, a sum below M (trailing rows
+# zero), G=1, no rows at all, odd sizes.
+CASES = [
+    (13, 7, 5, (3, 0, 6, 4)),
+    (9, 5, 3, (9, 0, 0)),
+    (9, 5, 3, (0, 0, 9)),
+    (11, 6, 7, (2, 3, 1)),
+    (7, 3, 5, (7,)),
+    (5, 4, 3, (0, 0)),
+    (16, 16, 8, (0, 5, 3, 0)),
+]
+
+
+def random_operands(m, k, n, g, dtype=np.float32, w_dtype=None, transpose_w=False, seed=0):
+  """Fresh normal data; w laid out [G, N, K] with transpose_w."""
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+  w_shape = (g, n, k) if transpose_w else (g, k, n)
+  w = jnp.asarray(rng.standard_normal(w_shape), w_dtype or dtype)
+  return x, w
+
+
+def f64(a):
+  return np.asarray(a, np.float64)
+
+
+def ref_forward(x, w, group_sizes, transpose_w=False):
+  """y rows of group g = x rows of group g @ w[g], in float64; rows past the sum stay zero."""
+  x, w = f64(x), f64(w)
+  if transpose_w:
+    w = w.swapaxes(1, 2)
+  y = np.zeros((x.shape[0], w.shape[2]))
+  start = 0
+  for g, size in enumerate(group_sizes):
+    y[start:start + size] = x[start:start + size] @ w[g]
+    start += size
+  return y
+
+
+def ref_grads(x, w, group_sizes, ct, transpose_w=False):
+  """Gradients of sum(y * ct): dx rows of group g = ct rows @ w[g]ᵀ, dw[g] = x_gᵀ @ ct_g (zero for
+  empty groups and for rows past the sum); dw laid out like w."""
+  x, w, ct = f64(x), f64(w), f64(ct)
+  if transpose_w:
+    w = w.swapaxes(1, 2)
+  dx, dw = np.zeros_like(x), np.zeros_like(w)
+  start = 0
+  for g, size in enumerate(group_sizes):
+    rows = slice(start, start + size)
+    dx[rows] = ct[rows] @ w[g].T
+    dw[g] = x[rows].T @ ct[rows]
+    start += size
+  return dx, dw.swapaxes(1, 2) if transpose_w else dw
+
+
+def assert_close(actual, expected, tol):
+  """allclose with atol relative to the reference's largest magnitude."""
+  expected = f64(expected)
+  np.testing.assert_allclose(f64(actual), expected, rtol=tol,
+                             atol=tol * max(1.0, np.abs(expected).max()))
+
+
+@pytest.mark.parametrize("transpose_w", [False, True])
+@pytest.mark.parametrize("impl", ["auto", "xla"])
+@pytest.mark.parametrize("m,k,n,group_sizes", CASES)
+def test_forward_matches_reference(m, k, n, group_sizes, impl, transpose_w):
+  x, w = random_operands(m, k, n, len(group_sizes), transpose_w=transpose_w, seed=m * k + n)
+  y = grouped_matmul(x, w, jnp.asarray(group_sizes, jnp.int32), impl=impl,
+                     transpose_w=transpose_w)
+  assert y.shape == (m, n) and y.dtype == jnp.float32
+  assert_close(y, ref_forward(x, w, group_sizes, transpose_w), 1e-5)
+  # Rows past the sum are exactly zero, not merely small.
+  assert not np.asarray(y[sum(group_sizes):]).any()
+
+
+@pytest.mark.parametrize("transpose_w", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_dtypes_with_float32_output(dtype, transpose_w):
+  group_sizes = (4, 0, 5, 2)
+  x, w = random_operands(13, 9, 7, 4, dtype, transpose_w=transpose_w, seed=1)
+  y = grouped_matmul(x, w, jnp.asarray(group_sizes), preferred_element_type=jnp.float32,
+                     transpose_w=transpose_w)
+  assert y.dtype == jnp.float32
+  # Products of 16-bit inputs are exact in float32: only the float32 accumulation rounds.
+  assert_close(y, ref_forward(x, w, group_sizes, transpose_w), 1e-5)
+  assert not np.asarray(y[11:]).any()
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype,out_dtype", [
+    (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16),
+    (jnp.float16, jnp.float16, jnp.float16),
+    (jnp.bfloat16, jnp.float32, jnp.float32),
+    (jnp.bfloat16, jnp.float16, jnp.float32),  # promoted, unlike ragged_dot's own default
+])
+def test_default_output_dtype_is_promoted(x_dtype, w_dtype, out_dtype):
+  group_sizes = (3, 4)
+  x, w = random_operands(8, 6, 5, 2, x_dtype, w_dtype, seed=2)
+  y = grouped_matmul(x, w, jnp.asarray(group_sizes))
+  assert y.dtype == out_dtype
+  assert_close(y, ref_forward(x, w, group_sizes), 1e-2)
+
+
+@pytest.mark.parametrize("gs_dtype", [jnp.int8, jnp.uint8, jnp.int16, jnp.int32, jnp.uint32])
+def test_any_integer_group_sizes(gs_dtype):
+  group_sizes = (2, 5, 0)
+  x, w = random_operands(9, 4, 3, 3, seed=3)
+  y = grouped_matmul(x, w, jnp.asarray(group_sizes, gs_dtype))
+  assert_close(y, ref_forward(x, w, group_sizes), 1e-5)
+
+
+def test_group_sizes_as_python_list():
+  x, w = random_operands(6, 4, 3, 2, seed=4)
+  assert_close(grouped_matmul(x, w, [1, 4]), ref_forward(x, w, (1, 4)), 1e-5)
+
+
+def test_transpose_w_contracts_in_place():
+  x, w = random_operands(8, 6, 5, 2, transpose_w=True, seed=5)
+  jaxpr = jax.make_jaxpr(functools.partial(grouped_matmul, transpose_w=True))(
+      x, w, jnp.asarray([3, 5]))
+  prims = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+  assert "ragged_dot_general" in prims and "transpose" not in prims, prims
+
+
+@pytest.mark.parametrize("transpose_w", [False, True])
+@pytest.mark.parametrize("dtype,out_dtype,tol", [
+    (jnp.float32, None, 1e-5),
+    (jnp.bfloat16, jnp.float32, 1e-2),  # dx and dw round to bfloat16 once
+])
+@pytest.mark.parametrize("m,k,n,group_sizes", [CASES[0], CASES[3], CASES[4], CASES[6]])
+def test_gradients_match_reference(m, k, n, group_sizes, dtype, out_dtype, tol, transpose_w):
+  x, w = random_operands(m, k, n, len(group_sizes), dtype, transpose_w=transpose_w, seed=6)
+  ct = jnp.asarray(np.random.default_rng(7).standard_normal((m, n)), jnp.float32)
+  gs = jnp.asarray(group_sizes)
+
+  def loss(x, w):
+    y = grouped_matmul(x, w, gs, preferred_element_type=out_dtype, transpose_w=transpose_w)
+    return jnp.sum(y.astype(jnp.float32) * ct)
+
+  dx, dw = jax.grad(loss, argnums=(0, 1))(x, w)
+  assert dx.dtype == x.dtype and dw.dtype == w.dtype
+  assert dx.shape == x.shape and dw.shape == w.shape
+  ref_dx, ref_dw = ref_grads(x, w, group_sizes, ct, transpose_w)
+  assert_close(dx, ref_dx, tol)
+  assert_close(dw, ref_dw, tol)
+  assert not np.asarray(dx[sum(group_sizes):]).any()
+  for g, size in enumerate(group_sizes):
+    if size == 0:
+      assert not np.asarray(dw[g]).any()
+
+
+def test_jit_traces_group_sizes():
+  x, w = random_operands(12, 5, 6, 3, seed=8)
+  traces = []
+
+  @jax.jit
+  def f(x, w, gs):
+    traces.append(None)
+    return grouped_matmul(x, w, gs)
+
+  # Different sizes, one trace: the values are data, not baked into the program.
+  for group_sizes in ((4, 4, 4), (0, 10, 1), (12, 0, 0)):
+    y = f(x, w, jnp.asarray(group_sizes, jnp.int32))
+    assert_close(y, ref_forward(x, w, group_sizes), 1e-5)
+  assert len(traces) == 1
+
+
+def test_shard_map_experts_per_device():
+  """Experts sharded over 'ep': each device multiplies its own rows by its own experts."""
+  ep, rows, local_groups, k, n = 4, 10, 3, 7, 5
+  mesh = make_mesh((ep,), ("ep",))
+  x, w = random_operands(ep * rows, k, n, ep * local_groups, seed=9)
+  # Per device: empty groups, sums below the local rows, equal to them, and zero.
+  group_sizes = np.array([[3, 0, 6], [10, 0, 0], [1, 2, 3], [0, 0, 0]], np.int32)
+  gs = jnp.asarray(group_sizes.reshape(-1))
+  ct = jnp.asarray(np.random.default_rng(10).standard_normal((ep * rows, n)), jnp.float32)
+
+  spec = P("ep")
+  f = jax.jit(jax.shard_map(grouped_matmul, mesh=mesh, in_specs=(spec, spec, spec),
+                            out_specs=spec))
+  y = f(x, w, gs)
+  loss = lambda x, w: jnp.sum(f(x, w, gs) * ct)  # noqa: E731
+  dx, dw = jax.grad(loss, argnums=(0, 1))(x, w)
+
+  for d in range(ep):
+    r, gr = slice(d * rows, (d + 1) * rows), slice(d * local_groups, (d + 1) * local_groups)
+    sizes = tuple(group_sizes[d])
+    assert_close(y[r], ref_forward(x[r], w[gr], sizes), 1e-5)
+    ref_dx, ref_dw = ref_grads(x[r], w[gr], sizes, ct[r])
+    assert_close(dx[r], ref_dx, 1e-5)
+    assert_close(dw[gr], ref_dw, 1e-5)
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+def arr(shape, dtype=jnp.float32):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def re_shape(shape):
+  return re.escape(str(tuple(shape)))
+
+
+def trace(x, w, gs, **kw):
+  return jax.eval_shape(functools.partial(grouped_matmul, **kw), x, w, gs)
+
+
+def test_fused_raises_unavailable():
+  x, w = random_operands(8, 8, 8, 2, jnp.bfloat16, seed=11)
+  with pytest.raises(FusedKernelUnavailableError,
+                     match=r"grouped_matmul\(impl='fused'\): the grouped GEMM kernel is not "
+                           r"built yet.*impl='xla' or impl='auto'"):
+    grouped_matmul(x, w, jnp.asarray([3, 5]), impl="fused")
+
+
+def test_fused_raises_under_jit():
+  with pytest.raises(FusedKernelUnavailableError, match=r"not built yet"):
+    trace(arr((8, 8), jnp.bfloat16), arr((2, 8, 8), jnp.bfloat16), arr((2,), jnp.int32),
+          impl="fused")
+
+
+def test_operand_errors_come_before_the_fused_error():
+  with pytest.raises(ValueError, match=r"contraction sizes differ"):
+    trace(arr((8, 8)), arr((2, 4, 8)), arr((2,), jnp.int32), impl="fused")
+
+
+def test_bad_impl():
+  with pytest.raises(ValueError, match=r"grouped_matmul: impl='cuda' is not one of "
+                                       r"\('auto', 'fused', 'xla'\)"):
+    trace(arr((8, 4)), arr((2, 4, 3)), arr((2,), jnp.int32), impl="cuda")
+
+
+@pytest.mark.parametrize("shape", [(8,), (2, 8, 4)])
+def test_x_rank(shape):
+  with pytest.raises(ValueError, match=r"x must have rank 2 \(\[M, K\].*got shape "
+                                       + re_shape(shape) + r".*reshape"):
+    trace(arr(shape), arr((2, 4, 3)), arr((2,), jnp.int32))
+
+
+def test_w_rank_two_suggests_single_group():
+  with pytest.raises(ValueError, match=r"w must have rank 3 \(\[G, K, N\].*got shape \(4, 3\)"
+                                       r".*w\[None\]"):
+    trace(arr((8, 4)), arr((4, 3)), arr((1,), jnp.int32))
+
+
+def test_w_rank_four_transposed():
+  with pytest.raises(ValueError, match=r"w must have rank 3 \(\[G, N, K\].*\(2, 2, 3, 4\).*Stack"):
+    trace(arr((8, 4)), arr((2, 2, 3, 4)), arr((2,), jnp.int32), transpose_w=True)
+
+
+def test_k_mismatch_hints_transpose_w():
+  with pytest.raises(ValueError, match=r"x has K=4 \(x.shape=\(8, 4\)\) but w has K=3 "
+                                       r"\(w.shape=\(2, 3, 4\), transpose_w=False\).*"
+                                       r"transpose_w=True if it is stored \[G, N, K\]"):
+    trace(arr((8, 4)), arr((2, 3, 4)), arr((2,), jnp.int32))
+
+
+def test_k_mismatch_transposed_hints_transpose_w():
+  with pytest.raises(ValueError, match=r"x has K=4 .*but w has K=3 \(w.shape=\(2, 4, 3\), "
+                                       r"transpose_w=True\).*pass transpose_w=False"):
+    trace(arr((8, 4)), arr((2, 4, 3)), arr((2,), jnp.int32), transpose_w=True)
+
+
+@pytest.mark.parametrize("shape", [(3,), (1,), (2, 1), ()])
+def test_group_sizes_shape(shape):
+  with pytest.raises(ValueError, match=r"group_sizes must have shape \(G,\) = \(2,\).*got shape "
+                                       + re_shape(shape)):
+    trace(arr((8, 4)), arr((2, 4, 3)), arr(shape, jnp.int32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bool_])
+def test_group_sizes_dtype(dtype):
+  with pytest.raises(TypeError, match=r"group_sizes must have an integer dtype.*"
+                                      r"astype\(jnp.int32\)"):
+    trace(arr((8, 4)), arr((2, 4, 3)), arr((2,), dtype))
+
+
+@pytest.mark.parametrize("name", ["x", "w"])
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.complex64])
+def test_operand_dtype(name, dtype):
+  x, w = arr((8, 4)), arr((2, 4, 3))
+  x, w = (arr(x.shape, dtype), w) if name == "x" else (x, arr(w.shape, dtype))
+  with pytest.raises(TypeError, match=rf"{name} must be a floating-point array; got dtype"):
+    trace(x, w, arr((2,), jnp.int32))
+
+
+def test_fp8_operand_refused():
+  with pytest.raises(TypeError, match=r"x.dtype=float8_e4m3fn: FP8.*Dequantize x"):
+    trace(arr((8, 4), jnp.float8_e4m3fn), arr((2, 4, 3)), arr((2,), jnp.int32))
+
+
+def test_preferred_element_type_not_floating():
+  with pytest.raises(TypeError, match=r"preferred_element_type=int32 is not a floating dtype"):
+    trace(arr((8, 4)), arr((2, 4, 3)), arr((2,), jnp.int32), preferred_element_type=jnp.int32)
+
+
+def test_transpose_w_not_bool():
+  with pytest.raises(TypeError, match=r"transpose_w must be a Python bool"):
+    trace(arr((8, 4)), arr((2, 4, 3)), arr((2,), jnp.int32), transpose_w=1)
