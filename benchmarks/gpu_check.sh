@@ -54,7 +54,8 @@ GPUS=$(python3 -c "import jax, jaxflux; assert jaxflux.has_cuda(); print(jax.dev
 echo "GPUs: $GPUS"
 
 tier() {  # the pytest selection of a test tier, as arguments
-  local gpu=(-m gpu) kernels=(tests/test_gemm_gpu.py tests/test_fp8_gpu.py tests/test_fuzz_gpu.py)
+  local gpu=(-m gpu) kernels=(tests/test_gemm_gpu.py tests/test_fp8_gpu.py tests/test_fuzz_gpu.py
+                          tests/test_grouped_matmul_gpu.py)
   local ops=(tests/test_multiprocess_gpu.py tests/test_example_gpu.py)
   case $1 in
     quick) TIER_ARGS=(-m "gpu and not slow" tests) ;;

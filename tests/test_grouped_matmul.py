@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import make_mesh
-from jaxflux.ops import FusedKernelUnavailableError
+from jaxflux.ops import FusedKernelUnavailableError, _platform
 from jaxflux.ops.grouped_matmul import grouped_matmul
 
 # (M, K, N, group_sizes): empty groups, all rows in one group, a sum below M (trailing rows
@@ -219,18 +219,42 @@ def trace(x, w, gs, **kw):
   return jax.eval_shape(functools.partial(grouped_matmul, **kw), x, w, gs)
 
 
+no_kernel_here = pytest.mark.skipif(
+    _platform.platform_reason() is None, reason="the grouped GEMM kernel runs here")
+
+
+@no_kernel_here
 def test_fused_raises_unavailable():
   x, w = random_operands(8, 8, 8, 2, jnp.bfloat16, seed=11)
   with pytest.raises(FusedKernelUnavailableError,
-                     match=r"grouped_matmul\(impl='fused'\): the grouped GEMM kernel is not "
-                           r"built yet.*impl='xla' or impl='auto'"):
+                     match=r"grouped_matmul\(impl='fused'\): .*(CUDA|Hopper)"):
     grouped_matmul(x, w, jnp.asarray([3, 5]), impl="fused")
 
 
+@no_kernel_here
 def test_fused_raises_under_jit():
-  with pytest.raises(FusedKernelUnavailableError, match=r"not built yet"):
+  with pytest.raises(FusedKernelUnavailableError, match=r"impl='fused'"):
     trace(arr((8, 8), jnp.bfloat16), arr((2, 8, 8), jnp.bfloat16), arr((2,), jnp.int32),
           impl="fused")
+
+
+# Operands the kernel can't take: impl="fused" says why on any machine; impl="auto" runs XLA.
+@pytest.mark.parametrize("x_dtype,w_dtype,out_dtype,k,n,match", [
+    (jnp.float32, jnp.float32, None, 8, 8, r"x.dtype=float32: .*bfloat16 or float16"),
+    (jnp.bfloat16, jnp.float16, jnp.float32, 8, 8, r"x.dtype=bfloat16 and w.dtype=float16"),
+    (jnp.bfloat16, jnp.bfloat16, jnp.float32, 8, 8,
+     r"preferred_element_type=float32: the kernel writes its input dtype \(bfloat16\)"),
+    (jnp.bfloat16, jnp.bfloat16, None, 12, 8, r"K=12 and N=8 must be multiples of 8"),
+    (jnp.float16, jnp.float16, None, 8, 4, r"K=8 and N=4 must be multiples of 8"),
+])
+def test_fused_refuses_operands_the_kernel_cannot_take(x_dtype, w_dtype, out_dtype, k, n, match):
+  x, w = random_operands(10, k, n, 3, x_dtype, w_dtype=w_dtype, seed=12)
+  gs = jnp.asarray([4, 0, 6])
+  with pytest.raises(FusedKernelUnavailableError, match=r"impl='fused'\): " + match):
+    grouped_matmul(x, w, gs, impl="fused", preferred_element_type=out_dtype)
+  got = grouped_matmul(x, w, gs, impl="auto", preferred_element_type=out_dtype)
+  want = grouped_matmul(x, w, gs, impl="xla", preferred_element_type=out_dtype)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_operand_errors_come_before_the_fused_error():

@@ -61,6 +61,8 @@ def test_two_all_gather_matmul_tile_configs_per_dtype_and_layout(generator):
     ("rs_gemm_sm90", (r"\bRsGemmWorkspaceBytes_{}\(", r"\bRsGemmRun_{}\(")),
     ("gemm_sm90", (r"\bGemmWorkspaceBytes_{}\(", r"\bGemmRun_{}\(")),
     ("gemm_swap_ab_sm90", (r"JAXFLUX_DECLARE_SWAP_AB\({}\)", r"JAXFLUX_SWAP_AB_ENTRY\({}\)")),
+    ("grouped_gemm_sm90", (r"JAXFLUX_DECLARE_GROUPED_GEMM\({}\)",
+                           r"JAXFLUX_GROUPED_GEMM_ENTRY\({}\)")),
 ])
 def test_the_dispatch_table_lists_every_instance(generator, kernel, patterns):
   dispatch = (KERNELS / f"{kernel}_dispatch.cu").read_text()

@@ -19,6 +19,7 @@
 #include "xla_ffi/ffi/gemm.h"
 #include "xla_ffi/ffi/gemm_ar.h"
 #include "xla_ffi/ffi/gemm_rs.h"
+#include "xla_ffi/ffi/grouped_gemm.h"
 #include "xla_ffi/ffi/rank_state_type.h"
 #include "xla_ffi/runtime/runtime.h"
 #endif
@@ -60,6 +61,7 @@ NB_MODULE(_jaxflux, m) {
     registrations["jaxflux_matmul_reduce_scatter"] = stateful(JaxfluxGemmRsExecute);
     registrations["jaxflux_matmul_all_reduce"] = stateful(JaxfluxGemmArExecute);
     registrations["jaxflux_gemm"] = Capsule(JaxfluxGemm);
+    registrations["jaxflux_grouped_gemm"] = Capsule(JaxfluxGroupedGemm);
     registrations["jaxflux_device_clock"] = Capsule(JaxfluxDeviceClock);
     registrations["jaxflux_device_slot"] = Capsule(JaxfluxDeviceSlot);
 #endif

@@ -11,8 +11,11 @@ which contracts a weight given as [G, N, K] (transpose_w) over its last axis in 
 transposed copy. Its differentiation is ragged_dot's own: dx and dw are ragged dots too, zero
 for rows past the sum and for empty groups.
 
-No fused grouped GEMM kernel is built yet: impl="fused" raises FusedKernelUnavailableError,
-and impl="auto" runs the XLA path.
+impl="fused" runs jaxflux's grouped GEMM kernel (CUTLASS's sm90 ptr-array grouped GEMM, bf16
+or fp16 with fp32 accumulation, _grouped_kernel): group_sizes stays on the device, an empty
+group costs nothing, and the backward is the same kernel (dx) and its K-grouped form (dw).
+It raises FusedKernelUnavailableError where the kernel can't run (no Hopper GPU, a build
+without CUDA, other dtypes); impl="auto" then runs the XLA path.
 
 The op communicates nothing, so in expert parallelism it runs inside `jax.shard_map` on each
 device's own experts (w, group_sizes) and the rows routed to them (x).
@@ -22,7 +25,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxflux.ops import _common, _plan
+from jaxflux.ops import _common, _grouped_kernel, _plan, _platform
 
 _OP = "grouped_matmul"
 
@@ -40,8 +43,9 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", preferred_element_t
     w: [G, K, N] one weight per group ([G, N, K] with transpose_w).
     group_sizes: [G] integer row counts (any integer dtype; cast to int32). Traced values: a
       sum above M is not checked, and, as in ragged_dot, is the caller's responsibility.
-    impl: "auto" (the XLA path, for now), "fused" (the fused grouped GEMM kernel, not built
-      yet: raises FusedKernelUnavailableError) or "xla" (`lax.ragged_dot_general`).
+    impl: "auto" (the kernel where it runs, else XLA), "fused" (the grouped GEMM kernel, or
+      FusedKernelUnavailableError saying why it can't run) or "xla"
+      (`lax.ragged_dot_general`).
     preferred_element_type: the output dtype, a floating dtype; default is the promoted dtype
       of x and w.
     transpose_w: w is given K-major, [G, N, K]; the op multiplies by each w[g]ᵀ in place. A
@@ -55,12 +59,21 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", preferred_element_t
   transpose_w = _plan._static_bool(_OP, "transpose_w", transpose_w)
   group_sizes = _check_operands(x, w, group_sizes, transpose_w)
   out_dtype = _out_dtype(x, w, preferred_element_type)
-  if impl == "fused":
-    raise _common.FusedKernelUnavailableError(
-        f"{_OP}(impl='fused'): the grouped GEMM kernel is not built yet (jaxflux has no fused "
-        "grouped kernel). Use impl='xla' or impl='auto' to run jax.lax.ragged_dot.")
+  if impl != "xla":
+    reason = _kernel_reason(x, w, out_dtype, transpose_w)
+    if reason is None:
+      return _grouped_kernel.grouped_matmul(x, w, group_sizes, transpose_w)
+    if impl == "fused":
+      raise _common.FusedKernelUnavailableError(f"{_OP}(impl='fused'): {reason}")
   return lax.ragged_dot_general(x, w, group_sizes, _dimension_numbers(transpose_w),
                                 precision=precision, preferred_element_type=out_dtype)
+
+
+def _kernel_reason(x, w, out_dtype, transpose_w: bool) -> str | None:
+  """Why the grouped GEMM kernel can't run these operands here, or None."""
+  n = w.shape[1] if transpose_w else w.shape[2]
+  return (_grouped_kernel.supported(x, w, out_dtype, x.shape[1], n)
+          or _platform.platform_reason())
 
 
 def _dimension_numbers(transpose_w: bool) -> lax.RaggedDotDimensionNumbers:

@@ -18,6 +18,7 @@ import dataclasses
 import threading
 from typing import NamedTuple
 
+from jaxflux.tuning.grouped import GROUPED_TILES, choose_grouped_matmul
 from jaxflux.tuning.table import AUTO_RULES, ENTRIES, AutoRule, Entry
 
 ARCH = "sm90"  # the fused kernels' one target (Hopper)
@@ -33,10 +34,11 @@ OWN_ROWS_SCHEDULES = ("cooperative", "pingpong")
 AR_TILES = ("cooperative_128x256_cluster2x1", "cooperative_128x128_streamk", "swap_ab_streamk")
 TILE_ROWS = 128  # both all-gather tiles and both own-rows schedules are 128 rows high
 
-__all__ = ["AUTO_RULES", "ENTRIES", "AllGatherMatmulChoice", "AutoRule", "Entry",
+__all__ = ["AUTO_RULES", "ENTRIES", "GROUPED_TILES", "AllGatherMatmulChoice", "AutoRule", "Entry",
            "MatmulAllReduceChoice", "MatmulReduceScatterChoice", "Tuned",
            "all_gather_matmul_class", "auto_prefers_fused", "choose_all_gather_matmul",
-           "choose_matmul_all_reduce", "choose_matmul_reduce_scatter", "choose_own_rows_gemm",
+           "choose_grouped_matmul", "choose_matmul_all_reduce", "choose_matmul_reduce_scatter",
+           "choose_own_rows_gemm",
            "lookup", "matmul_all_reduce_class", "matmul_reduce_scatter_class", "override",
            "shape_classes"]
 

@@ -36,11 +36,17 @@ AG_GEMM_FP8_TILES = {
 # The decode GEMM's token widths (kSwapAbTokenWidths, gemm_swap_ab_sm90.h) and weight layouts.
 SWAP_AB_WIDTHS = (16, 32, 64)
 SWAP_AB_LAYOUTS = {"nmajor": "NMajorW", "kmajor": "KMajorW"}
+# The grouped GEMM's operand layouts (grouped_gemm_sm90.cuh): the forward with the weight
+# N-major or K-major, and the K-grouped weight gradient.
+GROUPED_OPERANDS = {"nmajor": "ForwardNMajor", "kmajor": "ForwardKMajor", "wgrad": "WeightGrad"}
+# Its tile configs, in GroupedGemmTiles order (grouped_gemm_sm90.h).
+GROUPED_TILES = {"cooperative_128x256": "Cooperative128x256",
+                 "pingpong_128x128": "Pingpong128x128"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Instance:
-  kernel: str   # "ag_gemm_sm90", "rs_gemm_sm90", "gemm_sm90" or "gemm_swap_ab_sm90"
+  kernel: str   # "ag_gemm_sm90", "rs_gemm_sm90", "gemm_sm90", "gemm_swap_ab_sm90", ...
   name: str     # the symbol suffix of its entry points
   text: str
 
@@ -96,6 +102,7 @@ def instances() -> list[Instance]:
         '#include "xla_ffi/kernels/gemm_sm90.cuh"\n\n'
         f"JAXFLUX_GEMM_STREAMK_INSTANCE(streamk_{dtype}, {element})\n")))
   out.extend(_swap_ab_instances())
+  out.extend(_grouped_instances())
   return out
 
 
@@ -115,6 +122,21 @@ def _swap_ab_instances() -> list[Instance]:
           '#include "xla_ffi/kernels/gemm_swap_ab_sm90.cuh"\n\n'
           f"JAXFLUX_GEMM_SWAP_AB_INSTANCE({name}, {element_w}, {element_x},\n"
           f"                              {SWAP_AB_LAYOUTS[layout]}, {width})\n")))
+  return out
+
+
+def _grouped_instances() -> list[Instance]:
+  """The grouped GEMM: each 16-bit type, operand layout and tile config."""
+  out = []
+  for dtype, element in DTYPES.items():
+    for operands_name, operands in GROUPED_OPERANDS.items():
+      for tiles_name, tiles in GROUPED_TILES.items():
+        name = f"{dtype}_{operands_name}_{tiles_name}"
+        out.append(Instance("grouped_gemm_sm90", name, (
+            f"{HEADER}// The grouped GEMM, {dtype}, {operands_name}, {tiles_name} "
+            "(grouped_gemm_sm90.cuh).\n"
+            '#include "xla_ffi/kernels/grouped_gemm_sm90.cuh"\n\n'
+            f"JAXFLUX_GROUPED_GEMM_INSTANCE({name}, {element}, {operands}, {tiles})\n")))
   return out
 
 

@@ -1,0 +1,150 @@
+"""The grouped GEMM kernel (grouped_matmul(impl="fused")) on one GPU against per-group float64
+references of the same 16-bit operands: forward, dx and dw, both weight layouts and tile
+configs, empty groups, rows past the groups, traced group sizes."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxflux import tuning
+from jaxflux.ops import _grouped_kernel
+from jaxflux.ops.grouped_matmul import grouped_matmul
+from gpu_util import TOL, rel_err
+
+# (M, K, N, group sizes): groups of a few rows and of several tiles, empty groups (first, last,
+# in between), a sum below M (zero rows after), one group, and 8 groups of 2048 rows.
+CASES = [
+    pytest.param(300, 256, 384, (100, 0, 37, 163), id="odd-sizes-empty-middle"),
+    pytest.param(257, 128, 136, (0, 1, 255, 0), id="one-row-group-empty-ends"),
+    pytest.param(520, 64, 256, (200, 100), id="sum-below-m"),
+    pytest.param(1000, 512, 264, (1000,), id="one-group"),
+    pytest.param(4096, 1024, 512, (0,) * 30 + (4096,) + (0,) * 33, id="64-groups-one-full"),
+]
+
+
+def operands(seed, m, k, n, g, dtype, transpose_w):
+  kx, kw = jax.random.split(jax.random.key(seed))
+  w_shape = (g, n, k) if transpose_w else (g, k, n)
+  x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
+  w = (jax.random.normal(kw, w_shape, jnp.float32) / np.sqrt(k)).astype(dtype)
+  return x, w
+
+
+def reference(x, w, sizes, transpose_w):
+  """float64 per-group products of the same 16-bit values; rows past the groups are zero."""
+  x = np.asarray(x, np.float64)
+  w = np.asarray(w, np.float64)
+  if transpose_w:
+    w = w.transpose(0, 2, 1)
+  out = np.zeros((x.shape[0], w.shape[2]))
+  start = 0
+  for g, size in enumerate(sizes):
+    out[start:start + size] = x[start:start + size] @ w[g]
+    start += size
+  return out
+
+
+def reference_grads(x, w, sizes, ct, transpose_w):
+  """(dx, dw) of sum(y * ct) in float64, dw in w's layout."""
+  x = np.asarray(x, np.float64)
+  w64 = np.asarray(w, np.float64)
+  wk = w64.transpose(0, 2, 1) if transpose_w else w64
+  ct = np.asarray(ct, np.float64)
+  dx = np.zeros_like(x)
+  dw = np.zeros_like(wk)
+  start = 0
+  for g, size in enumerate(sizes):
+    rows = slice(start, start + size)
+    dx[rows] = ct[rows] @ wk[g].T
+    dw[g] = x[rows].T @ ct[rows]
+    start += size
+  return dx, (dw.transpose(0, 2, 1) if transpose_w else dw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", tuning.GROUPED_TILES)
+@pytest.mark.parametrize("transpose_w", [False, True], ids=["w-GKN", "w-GNK"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("m,k,n,sizes", CASES)
+def test_forward_and_grads_match_float64(m, k, n, sizes, dtype, transpose_w, tile):
+  x, w = operands(len(sizes) + m, m, k, n, len(sizes), dtype, transpose_w)
+  gs = jnp.asarray(sizes, jnp.int32)
+  ct = jax.random.normal(jax.random.key(m + n), (m, n), jnp.float32).astype(dtype)
+
+  def loss(x, w, gs):
+    y = _grouped_kernel.grouped_matmul(x, w, gs, transpose_w, tile)
+    return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32)), y
+
+  (_, y), (dx, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w, gs)
+  assert y.dtype == dtype and dx.dtype == dtype and dw.dtype == dtype
+  total = sum(sizes)
+  want = reference(x, w, sizes, transpose_w)
+  assert rel_err(y[:total], want[:total]) <= TOL[dtype]
+  assert not np.any(np.asarray(y[total:], np.float32)), "rows past the groups must be zero"
+  dx_want, dw_want = reference_grads(x, w, sizes, ct, transpose_w)
+  assert rel_err(dx[:total], dx_want[:total]) <= TOL[dtype]
+  assert not np.any(np.asarray(dx[total:], np.float32))
+  for g, size in enumerate(sizes):
+    if size == 0:
+      assert not np.any(np.asarray(dw[g], np.float32)), f"empty group {g}: dw must be zero"
+    else:
+      assert rel_err(dw[g], dw_want[g]) <= TOL[dtype], f"group {g}"
+
+
+@pytest.mark.gpu
+def test_public_op_runs_the_kernel_and_matches_ragged_dot():
+  m, k, n, sizes = 1024, 512, 768, (300, 0, 500, 124, 100)
+  x, w = operands(3, m, k, n, len(sizes), jnp.bfloat16, False)
+  gs = jnp.asarray(sizes, jnp.int32)
+  f = jax.jit(grouped_matmul, static_argnames=("impl",))
+  hlo = f.lower(x, w, gs, impl="fused").as_text()
+  assert "jaxflux_grouped_gemm" in hlo
+  assert "jaxflux_grouped_gemm" in f.lower(x, w, gs, impl="auto").as_text()
+  got = f(x, w, gs, impl="fused")
+  want = f(x, w, gs, impl="xla")
+  assert rel_err(got, want) <= TOL[jnp.bfloat16]
+
+
+@pytest.mark.gpu
+def test_routing_is_traced_and_each_call_uses_its_sizes():
+  """One compiled program, group sizes changing call to call (no recompile, no host sync)."""
+  m, k, n, g = 640, 256, 256, 8
+  x, w = operands(5, m, k, n, g, jnp.bfloat16, False)
+  f = jax.jit(lambda x, w, gs: grouped_matmul(x, w, gs, impl="fused"))
+  rng = np.random.default_rng(0)
+  for _ in range(4):
+    sizes = rng.multinomial(m - int(rng.integers(0, 64)), np.full(g, 1 / g))
+    got = f(x, w, jnp.asarray(sizes, jnp.int32))
+    total = int(sizes.sum())
+    assert rel_err(got[:total], reference(x, w, sizes, False)[:total]) <= TOL[jnp.bfloat16]
+    assert not np.any(np.asarray(got[total:], np.float32))
+  assert f._cache_size() == 1
+
+
+@pytest.mark.gpu
+def test_bitwise_deterministic_and_fresh():
+  m, k, n, sizes = 2048, 1024, 1024, (512, 1024, 0, 512)
+  f = jax.jit(lambda x, w, gs: grouped_matmul(x, w, gs, impl="fused"))
+  gs = jnp.asarray(sizes, jnp.int32)
+  x, w = operands(7, m, k, n, len(sizes), jnp.bfloat16, False)
+  first = np.asarray(f(x, w, gs))
+  assert np.array_equal(first, np.asarray(f(x, w, gs)))
+  x2, _ = operands(8, m, k, n, len(sizes), jnp.bfloat16, False)
+  second = f(x2, w, gs)
+  assert rel_err(second, reference(x2, w, sizes, False)) <= TOL[jnp.bfloat16]
+  assert not np.array_equal(first, np.asarray(second))
+
+
+@pytest.mark.gpu
+def test_many_small_groups_and_no_rows():
+  """128 experts of ~16 rows (the decode side of an MoE layer), and a call with no rows."""
+  g, k, n = 128, 512, 256
+  rng = np.random.default_rng(1)
+  sizes = rng.multinomial(2048, rng.dirichlet(np.full(g, 0.5)))
+  x, w = operands(9, 2048, k, n, g, jnp.bfloat16, True)
+  got = grouped_matmul(x, w, jnp.asarray(sizes, jnp.int32), impl="fused", transpose_w=True)
+  assert rel_err(got, reference(x, w, sizes, True)) <= TOL[jnp.bfloat16]
+  none = grouped_matmul(x[:0], w, jnp.zeros((g,), jnp.int32), impl="fused", transpose_w=True)
+  assert none.shape == (0, n)
+  zeros = grouped_matmul(x, w, jnp.zeros((g,), jnp.int32), impl="fused", transpose_w=True)
+  assert not np.any(np.asarray(zeros, np.float32))

@@ -1,0 +1,157 @@
+// jaxflux_grouped_gemm: the grouped GEMM of jaxflux.grouped_matmul (grouped_gemm_sm90.h), one
+// 16-bit dtype throughout, group sizes read on the device.
+//   kind 0 (forward):     d [m, n], d[rows of g] = a[rows of g] · b[g], b [G, k, n] ([G, n, k]
+//                         with transpose_w); rows past sum(group_sizes) are zeros.
+//   kind 1 (weight grad): d [G, k, n], d[g] = a[rows of g]ᵀ · b[rows of g], b [m, n]; an empty
+//                         group's d[g] is zeros.
+// `tile` is a GroupedGemmTiles, chosen by jaxflux/tuning.
+#include "xla_ffi/ffi/grouped_gemm.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi/errors.h"
+#include "xla_ffi/ffi/scratch.h"
+#include "xla_ffi/kernels/grouped_gemm_sm90.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxflux {
+namespace {
+
+constexpr char kOp[] = "grouped_gemm";
+
+ffi::Error Invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string("jaxflux ") + kOp + ": " + what);
+}
+
+std::string Dims(ffi::AnyBuffer::Dimensions dims) {
+  std::string out = "[";
+  for (size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
+  return out + "]";
+}
+
+// Shapes and dtypes of the operands of `kind`; fills the problem's m, n, k and groups.
+ffi::Error CheckOperands(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S32> group_sizes,
+                         ffi::Result<ffi::AnyBuffer>& d, GroupedGemmKind kind,
+                         bool b_kmajor, GemmDtype* dtype, GroupedGemmProblem* p) {
+  const auto dt = a.element_type();
+  if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) {
+    return Invalid("a must be bfloat16 or float16");
+  }
+  if (b.element_type() != dt || d->element_type() != dt) {
+    return Invalid("a, b and the output need one dtype");
+  }
+  *dtype = dt == ffi::DataType::BF16 ? GemmDtype::kBF16 : GemmDtype::kF16;
+  const auto a_dims = a.dimensions(), b_dims = b.dimensions(), d_dims = d->dimensions();
+  const auto g_dims = group_sizes.dimensions();
+  if (g_dims.size() != 1) return Invalid("group_sizes must be [G]");
+  const int64_t groups = g_dims[0];
+  if (a_dims.size() != 2) return Invalid("a must be [m, k]; got " + Dims(a_dims));
+  const int64_t m = a_dims[0], k = a_dims[1];
+  int64_t n = 0;
+  if (kind == GroupedGemmKind::kForward) {
+    if (b_dims.size() != 3 || b_dims[0] != groups || b_dims[b_kmajor ? 2 : 1] != k) {
+      return Invalid(std::string("b must be ") + (b_kmajor ? "[G, n, k]" : "[G, k, n]") +
+                     " with G=" + std::to_string(groups) + ", k=" + std::to_string(k) +
+                     "; got " + Dims(b_dims));
+    }
+    n = b_dims[b_kmajor ? 1 : 2];
+    if (d_dims.size() != 2 || d_dims[0] != m || d_dims[1] != n) {
+      return Invalid("the output must be [m, n]; got " + Dims(d_dims));
+    }
+  } else {
+    if (b_kmajor) return Invalid("transpose_w applies to the forward (kind 0) only");
+    if (b_dims.size() != 2 || b_dims[0] != m) {
+      return Invalid("b must be [m, n] with m=" + std::to_string(m) + "; got " + Dims(b_dims));
+    }
+    n = b_dims[1];
+    if (d_dims.size() != 3 || d_dims[0] != groups || d_dims[1] != k || d_dims[2] != n) {
+      return Invalid("the output must be [G, k, n]; got " + Dims(d_dims));
+    }
+  }
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  if (m > kIntMax || n > kIntMax || k > kIntMax || groups > kIntMax) {
+    return Invalid("a dimension exceeds 2^31-1");
+  }
+  if (k % 8 || n % 8) {  // 16-byte rows for TMA
+    return Invalid("k and n must be multiples of 8 (16-byte rows for TMA); got k=" +
+                   std::to_string(k) + ", n=" + std::to_string(n));
+  }
+  p->m = static_cast<int>(m);
+  p->n = static_cast<int>(n);
+  p->k = static_cast<int>(k);
+  p->groups = static_cast<int>(groups);
+  return ffi::Error::Success();
+}
+
+// True when the kernels have nothing to compute: an empty output, or one that is all zeros (no
+// groups, no rows, or an empty contraction), which is then cleared on `stream`.
+ffi::Error ZeroOnly(cudaStream_t stream, const GroupedGemmProblem& p,
+                    ffi::Result<ffi::AnyBuffer>& d, bool* done) {
+  const bool forward = p.kind == GroupedGemmKind::kForward;
+  const int64_t contraction = forward ? p.k : p.m;
+  *done = d->element_count() == 0 || p.groups == 0 || contraction == 0 || p.m == 0;
+  if (*done && d->size_bytes() > 0) {
+    if (cudaError_t err = cudaMemsetAsync(d->untyped_data(), 0, d->size_bytes(), stream);
+        err != cudaSuccess) {
+      return CudaOpError(kOp, "cudaMemsetAsync", err);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedGemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
+                              ffi::AnyBuffer a, ffi::AnyBuffer b,
+                              ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> d,
+                              int64_t kind, int64_t transpose_w, int64_t tile) {
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "kind", kind, {0, 1}));
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "transpose_w", transpose_w, {0, 1}));
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "tile", tile, {0, 1}));
+  GroupedGemmProblem problem{};
+  problem.kind = static_cast<GroupedGemmKind>(kind);
+  problem.b_kmajor = transpose_w == 1;
+  problem.tiles = static_cast<GroupedGemmTiles>(tile);
+  problem.device = device;
+  GemmDtype dtype = GemmDtype::kBF16;
+  JAXFLUX_RETURN_IF_ERROR(CheckOperands(a, b, group_sizes, d, problem.kind, problem.b_kmajor,
+                                        &dtype, &problem));
+  bool done = false;
+  JAXFLUX_RETURN_IF_ERROR(ZeroOnly(stream, problem, d, &done));
+  if (done) return ffi::Error::Success();
+  problem.a = a.untyped_data();
+  problem.b = b.untyped_data();
+  problem.group_sizes = group_sizes.typed_data();
+  problem.d = d->untyped_data();
+  void* workspace = nullptr;
+  JAXFLUX_RETURN_IF_ERROR(AllocateScratch(
+      kOp, scratch, GroupedGemmSm90WorkspaceBytes(dtype, problem), &workspace));
+  if (const char* failure = GroupedGemmSm90(dtype, problem, workspace, stream)) {
+    return OpError(kOp, failure);
+  }
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return CudaOpError(kOp, "kernel launch", err);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxflux
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxfluxGroupedGemm, jaxflux::GroupedGemmExecute,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this device
+        .Ctx<xla::ffi::DeviceOrdinal>()                 // CUDA ordinal (SM count for the grid)
+        .Ctx<xla::ffi::ScratchAllocator>()              // per-group arguments, tensor maps
+        .Arg<xla::ffi::AnyBuffer>()                     // a: [m, k], rows sorted by group
+        .Arg<xla::ffi::AnyBuffer>()                     // b: [G, k, n] / [G, n, k]; kind 1 [m, n]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes: [G]
+        .Ret<xla::ffi::AnyBuffer>()                     // d: [m, n]; kind 1 [G, k, n]
+        .Attr<int64_t>("kind")                          // 0 forward, 1 weight gradient
+        .Attr<int64_t>("transpose_w")                   // kind 0: 1 b is [G, n, k]
+        .Attr<int64_t>("tile"));                        // GroupedGemmTiles
