@@ -366,3 +366,16 @@ def test_a_chunked_all_reduce_push_needs_unbatched_x():
                                          r"x.*here x has 3 batch entries. Override "
                                          r"push='whole'"):
       tuning.choose_matmul_all_reduce(**{**DECODE, "batch": 3})
+
+
+def test_grouped_tile_choice_is_the_evidence_winner():
+  """The grouped GEMM's one tile is the faster of the two over the evidence's rows (geometric
+  mean of the time ratios), and the evidence times both tiles on every row."""
+  from jaxflux.tuning import grouped
+  rows = json.loads((RESULTS / grouped.EVIDENCE).read_text())["rows"]
+  assert len(rows) >= 8
+  chosen = tuning.choose_grouped_matmul(group_rows=128, n=1536)
+  assert chosen in tuning.GROUPED_TILES
+  for other in tuning.GROUPED_TILES:
+    ratios = [row["ms"][f"fused_{other}"] / row["ms"][f"fused_{chosen}"] for row in rows]
+    assert math.exp(sum(map(math.log, ratios)) / len(ratios)) >= 1.0, other

@@ -1,4 +1,4 @@
-"""Benchmark harness: `python -m jaxflux.bench --op {all_gather,ag_gemm,gemm_rs,gemm}`.
+"""Benchmark harness: `python -m jaxflux.bench --op {all_gather,ag_gemm,gemm_rs,gemm,grouped_gemm}`.
 
 Times every variant of one op side by side in one process, on fresh random data, over a 1-D
 mesh ('tp',) of the local devices, and writes a JSON record (command, machine, versions, one row
@@ -23,7 +23,8 @@ inputs already placed with the sharding the program expects, so no resharding is
 For --op all_gather: `xla` is lax.all_gather and `jaxflux` the internal copy-engine all-gather
 (jaxflux.ops.all_gather.all_gather(x, axis_name, impl="fused")). --op gemm is the single-device
 GEMM table (jaxflux/bench/gemm_table.py); with --dtype float8_e4m3fn or float8_e5m2 the FP8 one
-(jaxflux/bench/fp8_table.py).
+(jaxflux/bench/fp8_table.py). --op grouped_gemm is the MoE grouped GEMM on one device against
+lax.ragged_dot and a dense GEMM of the same FLOPs (jaxflux/bench/grouped_table.py).
 
 Timing (timing.py): on GPU the GPUs' own clocks around queued calls (`--timing device`) or the
 host's (`dispatch`); elsewhere one jitted program runs the op `--iters` times in a

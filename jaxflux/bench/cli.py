@@ -12,10 +12,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxflux.bench import device_clock, processes
+from jaxflux.bench import device_clock, grouped_table, processes
 from jaxflux.bench.config import (CHILD_MARKER, DEFAULT_VARIANTS, DEFINITIONS, EXTRA_VARIANTS,
                                   FP8_DTYPES, FP8_GEMM_VARIANTS, GEMM_FAMILIES,
-                                  GEMM_VARIANTS, OP_VARIANTS, OPS, WINDOWED_FLAGS, repo_root)
+                                  GEMM_VARIANTS, GROUPED_BACKWARD, GROUPED_FORWARD,
+                                  GROUPED_VARIANTS, OP_VARIANTS, OPS, ROUTINGS, WINDOWED_FLAGS,
+                                  repo_root)
 from jaxflux.bench.gemm_table import format_gemm_table, summarize_table
 from jaxflux.bench.inputs import make_mesh
 from jaxflux.bench.machine import provenance
@@ -59,10 +61,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  help="comma-separated shape names from the shapes file (default: all)")
   p.add_argument("--M", type=_csv(int), default=None,
                  help="comma-separated global token counts (default: the shapes file's M list; "
-                      "--op gemm: 2048,4096,8192,16384)")
+                      "--op gemm: 2048,4096,8192,16384; --op grouped_gemm: 16384 routed rows)")
   p.add_argument("--of", type=_csv(str), default=None,
                  help=f"--op gemm only: row families, any of {','.join(GEMM_FAMILIES)} "
                       "(default all; gemm_ar's default M: 1,8,32,128,512,2048,8192)")
+  p.add_argument("--routing", type=_csv(str), default=None,
+                 help=f"--op grouped_gemm only: how rows are spread over the experts, any of "
+                      f"{','.join(ROUTINGS)} (default both; see jaxflux/bench/grouped_table.py)")
+  p.add_argument("--backward", action="store_true",
+                 help="--op grouped_gemm only: also time dx and dw of each variant "
+                      f"({','.join(GROUPED_BACKWARD)})")
   p.add_argument("--sizes-mib", type=_csv(float), default=None,
                  help="all_gather only: per-device shard sizes in MiB instead of the shapes")
   p.add_argument("--dtype", default="bfloat16",
@@ -83,7 +91,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--variants", type=_csv(str), default=None,
                  help=f"comma-separated, any of {DEFAULT_VARIANTS + EXTRA_VARIANTS} "
                       f"(default {','.join(DEFAULT_VARIANTS)}); --op gemm: any of "
-                      f"{GEMM_VARIANTS} (default all)")
+                      f"{GEMM_VARIANTS} (default all); --op grouped_gemm: any of "
+                      f"{GROUPED_VARIANTS} (default {','.join(GROUPED_FORWARD)}, and the "
+                      "backward ones with --backward)")
   p.add_argument("--timing", choices=("auto", "loop", "dispatch", "device"), default="auto",
                  help="loop: calls chained in one jitted fori_loop; dispatch: Python loop of "
                       "async jitted calls, one sync; device (GPU): dispatch's calls timed by "
@@ -128,9 +138,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   if fp8 and args.op != "gemm":
     p.error(f"--dtype {args.dtype} applies to --op gemm (the FP8 GEMM-only table) only")
   gemm_variants = FP8_GEMM_VARIANTS if fp8 else GEMM_VARIANTS
-  known = gemm_variants if args.op == "gemm" else DEFAULT_VARIANTS + EXTRA_VARIANTS
+  known = {"gemm": gemm_variants, "grouped_gemm": GROUPED_VARIANTS}.get(
+      args.op, DEFAULT_VARIANTS + EXTRA_VARIANTS)
   if args.variants is None:
-    args.variants = list(gemm_variants if args.op == "gemm" else DEFAULT_VARIANTS)
+    args.variants = list({"gemm": gemm_variants, "grouped_gemm": GROUPED_FORWARD}.get(
+        args.op, DEFAULT_VARIANTS))
+  _check_grouped_args(p, args)
   unknown = [v for v in args.variants if v not in known]
   if unknown:
     kind = f" with --dtype {args.dtype}" if args.op == "gemm" else ""
@@ -147,12 +160,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   return args
 
 
+def _check_grouped_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """--op grouped_gemm's own options: --routing and --backward (which adds the backward
+  variants to --variants), one device, a floating --dtype."""
+  if args.op != "grouped_gemm":
+    if args.routing is not None or args.backward:
+      p.error("--routing and --backward apply to --op grouped_gemm only")
+    return
+  bad = [r for r in args.routing or () if r not in ROUTINGS]
+  if bad:
+    p.error(f"--routing: unknown {bad}; choose from {ROUTINGS}")
+  if args.tp not in (None, 1):
+    p.error("--op grouped_gemm runs on one device: --tp must be 1 or left out")
+  if not jnp.issubdtype(args.dtype, jnp.floating):
+    p.error(f"--op grouped_gemm: --dtype {args.dtype} is not a floating dtype")
+  if args.backward:
+    args.variants = list(dict.fromkeys(args.variants + list(GROUPED_BACKWARD)))
+
+
 def _bench_rows(args, rows, mesh, variants, result, out_path, child, want_windowed, log):
   """Measures the rows in order, adding each record to `result` (and writing it out)."""
   for i, row in enumerate(rows):
-    log(f"[bench] row {i + 1}/{len(rows)}: {row.op} {row.name} M={row.M} K={row.K} N={row.N} "
-        f"tp={row.tp} {row.dtype}", flush=True)
-    record = bench_row(row, mesh, variants, args, log=log)
+    grouped = row.op == "grouped_gemm"
+    experts = f" G={row.experts} {row.routing}" if grouped else ""
+    log(f"[bench] row {i + 1}/{len(rows)}: {row.op} {row.name} M={row.M} K={row.K} N={row.N}"
+        f"{experts} tp={row.tp} {row.dtype}", flush=True)
+    record = (grouped_table.bench_row if grouped else bench_row)(row, mesh, variants, args,
+                                                                 log=log)
     record["key"] = row.key()
     if want_windowed:
       merge_windowed(record, child)
@@ -160,6 +194,8 @@ def _bench_rows(args, rows, mesh, variants, result, out_path, child, want_window
     result["rows"].append(record)
     if row.op == "gemm":
       result["summary"] = summarize_table(result["rows"])
+    elif grouped:
+      result["summary"] = grouped_table.summarize_table(result["rows"])
     log("        " + _row_summary(record), flush=True)
     # Written after every row so that a run cut short keeps what it measured.
     if processes.is_leader():
@@ -204,10 +240,13 @@ def run(argv: list[str] | None = None, log=print) -> dict:
 
   if args.op == "gemm":  # one device, the per-device GEMMs of a tp group
     mesh, tp = make_mesh(1), args.tp or 2
+  elif args.op == "grouped_gemm":  # one device: the op communicates nothing
+    mesh, tp = make_mesh(1), 1
   else:
     mesh = make_mesh(args.tp or len(jax.devices()))
     tp = mesh.devices.size
-  rows = build_rows(args, shapes, tp)
+  rows = (grouped_table.build_rows(args, shapes) if args.op == "grouped_gemm"
+          else build_rows(args, shapes, tp))
   platform = jax.default_backend()
   result: dict[str, Any] = {
       **provenance("python -m jaxflux.bench", argv, stamp),
@@ -227,6 +266,8 @@ def run(argv: list[str] | None = None, log=print) -> dict:
                       "scales": "per-tensor float32 (amax / format max, a bf16 value); the "
                                 "GEMM-only kernels get them broadcast to x's rows and the "
                                 "output's columns"}} if args.dtype in FP8_DTYPES else {}),
+          **({"grouped_gemm": grouped_table.settings(args)}
+             if args.op == "grouped_gemm" else {}),
       },
       "definitions": DEFINITIONS,
       "rows": [],
@@ -246,7 +287,8 @@ def run(argv: list[str] | None = None, log=print) -> dict:
   if processes.is_leader():
     write_json(out_path, result)
   result["output"] = str(out_path)
-  log(format_gemm_table(result) if args.op == "gemm" else format_table(result))
+  tables = {"gemm": format_gemm_table, "grouped_gemm": grouped_table.format_table}
+  log(tables.get(args.op, format_table)(result))
   log(f"[bench] wrote {out_path}")
   return result
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
-OPS = ("all_gather", "ag_gemm", "gemm_rs", "gemm")
+OPS = ("all_gather", "ag_gemm", "gemm_rs", "gemm", "grouped_gemm")
 AXIS = "tp"
 DEFAULT_VARIANTS = ("gemm", "gemm_only", "comm", "xla", "xla_windowed", "pallas", "jaxflux", "auto")
 EXTRA_VARIANTS = ("xla_gspmd", "jaxflux_wt")
@@ -20,6 +20,10 @@ OP_VARIANTS = {
     "gemm": ("xla", "gemm_only", "cutlass", "streamk", "swap_ab", "xla_own_rows", "own_rows",
              "xla_fp8_fast", "xla_fp8_promoted", "fp8_gemm_only", "cutlass_fp8_fast",
              "cutlass_fp8_promoted", "quantize"),
+    # One device: the MoE grouped GEMM (grouped_table.py); the *_bwd variants with --backward;
+    # fused_<tile>: the kernel with each tile config (jaxflux.tuning.GROUPED_TILES) forced.
+    "grouped_gemm": ("fused", "ragged_dot", "dense", "fused_bwd", "ragged_dot_bwd", "dense_bwd",
+                     "fused_cooperative_128x256", "fused_pingpong_128x128"),
 }
 GEMM_VARIANTS = OP_VARIANTS["gemm"][:7]
 FP8_GEMM_VARIANTS = OP_VARIANTS["gemm"][7:]
@@ -29,6 +33,15 @@ FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 GEMM_FAMILIES = ("ag_gemm", "gemm_rs", "gemm_ar")
 # The FP8 table's default families (prefill); its gemm_ar rows (decode) on request (--of).
 FP8_DEFAULT_FAMILIES = ("ag_gemm", "gemm_rs")
+GROUPED_VARIANTS = OP_VARIANTS["grouped_gemm"]
+GROUPED_TILE_VARIANTS = GROUPED_VARIANTS[6:]
+GROUPED_FORWARD = GROUPED_VARIANTS[:3] + GROUPED_TILE_VARIANTS
+GROUPED_BACKWARD = GROUPED_VARIANTS[3:6]
+# --op grouped_gemm: how routed rows are spread over the experts (--routing), the Dirichlet's
+# concentration (0.5: a skewed router, some experts near empty), and the default routed rows.
+ROUTINGS = ("even", "dirichlet")
+DIRICHLET_ALPHA = 0.5
+GROUPED_TABLE_M = (16384,)
 # --op gemm's default token counts: where impl="auto" takes the fused kernels at tp=2; for
 # GEMM+AllReduce (gemm_ar rows) decode sizes too, where the GEMM is a read of the weight.
 GEMM_TABLE_M = (2048, 4096, 8192, 16384)
@@ -93,6 +106,15 @@ DEFINITIONS = {
                                   "__cublas$lt$matmul$f8), and `xla_fp8_fast_triton_gemm`: "
                                   "whether XLA emitted a Triton GEMM fusion instead; likewise "
                                   "for xla_fp8_promoted"),
+    "group_sizes": ("--op grouped_gemm: rows per expert (the routing's, summing to M), with their "
+                    "min, max and the count of empty experts"),
+    "tflops_grouped_gemm": ("--op grouped_gemm: 2*M*K*N / time for forward variants, 4*M*K*N "
+                            "(dx and dw) for *_bwd ones; the same for every routing"),
+    "fused_vs_dense": ("--op grouped_gemm: ms['dense'] / ms['fused'], the fused grouped GEMM's "
+                       "TFLOP/s as a fraction of one dense XLA dot of the same FLOPs (cuBLAS); "
+                       "likewise ragged_dot_vs_dense, and *_bwd_vs_dense_bwd for the backward"),
+    "ragged_over_fused": ("--op grouped_gemm: ms['ragged_dot'] / ms['fused'], the speedup of the "
+                          "fused grouped GEMM over XLA's ragged dot; ragged_over_fused_bwd alike"),
     "accumulate": ("--op gemm, FP8 rows: how the fused kernels accumulate for x's dtype "
                    "(jaxflux.ops.gemm.FP8_ACCUMULATE): 'fast' (the tensor cores' accumulator) or "
                    "'promoted' (into float32 registers every few k-blocks)"),
