@@ -2,7 +2,8 @@
 
 Ops (per-device view, inside `jax.shard_map`): `all_gather_matmul`, `matmul_reduce_scatter`,
 `matmul_all_reduce`; `grouped_matmul`, the grouped GEMM of mixture-of-experts layers.
-Flax layers (global view, under `jit` with a mesh): `jaxflux.Dense` (Linen), `jaxflux.nnx.Linear`.
+Flax layers (global view, under `jit` with a mesh): `jaxflux.Dense` (Linen), `jaxflux.nnx.Linear`;
+the mixture-of-experts MLP `jaxflux.MoE` (Linen), `jaxflux.nnx.MoE`.
 Kernel choices: `jaxflux.tuning` (the measured table, and `override` for measurement).
 """
 from jaxflux._runtime import check_errors, configure, has_cuda
@@ -15,6 +16,7 @@ __version__ = "0.2.0"
 __all__ = [
     "Dense",
     "FusedKernelUnavailableError",
+    "MoE",
     "all_gather_matmul",
     "check_errors",
     "configure",
@@ -32,6 +34,9 @@ def __getattr__(name):
   if name == "Dense":
     from jaxflux.linen import Dense
     return Dense
+  if name == "MoE":
+    from jaxflux.moe_linen import MoE
+    return MoE
   if name == "nnx":
     import importlib
     return importlib.import_module("jaxflux.nnx")

@@ -1,4 +1,5 @@
-"""`jaxflux.nnx.Linear`: `flax.nnx.Linear` with fused tensor-parallel matmuls."""
+"""`jaxflux.nnx.Linear`: `flax.nnx.Linear` with fused tensor-parallel matmuls; and
+`jaxflux.nnx.MoE`, the mixture-of-experts MLP (`jaxflux.moe_nnx`)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from flax.typing import DotGeneralT, Dtype, Initializer, PrecisionLike, PromoteD
 from jax import lax
 
 from jaxflux import _tensor_parallel as tpm
+from jaxflux.moe_nnx import MoE
 
-__all__ = ["Linear"]
+__all__ = ["Linear", "MoE"]
 
 # Older spellings of a Param's `out_sharding` metadata, which flax renames in this order.
 _OLD_SHARDING_KEYS = ("sharding", "sharding_names")

@@ -1,0 +1,338 @@
+"""jaxflux.MoE (Linen) and jaxflux.nnx.MoE against a dense per-expert reference, on 8 virtual CPU
+devices (pure-JAX path): values, gradients, the load-balancing loss, dtypes, validation, and the
+expert-parallel split over a mesh."""
+
+import functools
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxflux
+import jaxflux.nnx
+from conftest import assert_trees_close, mesh_of
+
+EXPLICIT, AUTO = AxisType.Explicit, AxisType.Auto
+HIDDEN, INTER = 16, 24
+EXPERT_NAMES = {"swiglu": ("wi_0", "wi_1"), "gelu": ("wi",)}
+
+
+def normal(rng, shape, scale=1.0):
+  # NumPy, not jax.random: eager jax ops each compile, which dominates a CPU test run.
+  return jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32)
+
+
+def random_params(seed, num_experts, activation, hidden=HIDDEN, inter=INTER):
+  """Random params with the layer's names; the router at scale 1 so that routing is decisive."""
+  rng = np.random.default_rng(seed)
+  params = {"gate": normal(rng, (hidden, num_experts))}
+  for name in EXPERT_NAMES[activation]:
+    params[name] = normal(rng, (num_experts, hidden, inter), hidden ** -0.5)
+  params["wo"] = normal(rng, (num_experts, inter, hidden), inter ** -0.5)
+  return params
+
+
+def random_x(seed, shape):
+  return normal(np.random.default_rng(seed), shape)
+
+
+def reference(params, x, k, activation, norm_topk_prob=True):
+  """Every token through every expert (dense einsums), each expert's output weighted by the
+  token's routing weight for it (0 outside its top k); and the Switch load-balancing loss."""
+  x2 = x.reshape(-1, x.shape[-1])
+  probs = jax.nn.softmax(x2 @ params["gate"], axis=-1)
+  top, chosen = jax.lax.top_k(probs, k)
+  if norm_topk_prob:
+    top = top / top.sum(-1, keepdims=True)
+  num_experts = probs.shape[-1]
+  y = jnp.zeros_like(x2)
+  for e in range(num_experts):
+    weight = jnp.sum(jnp.where(chosen == e, top, 0.0), axis=-1)  # [T]
+    if activation == "swiglu":
+      h = (jax.nn.silu(jnp.einsum("th,hi->ti", x2, params["wi_0"][e]))
+           * jnp.einsum("th,hi->ti", x2, params["wi_1"][e]))
+    else:
+      h = jax.nn.gelu(jnp.einsum("th,hi->ti", x2, params["wi"][e]))
+    y = y + weight[:, None] * jnp.einsum("ti,ih->th", h, params["wo"][e])
+  fraction = jnp.mean(jnp.sum(jax.nn.one_hot(chosen, num_experts), axis=1), axis=0) / k
+  loss = num_experts * jnp.sum(fraction * jnp.mean(probs, axis=0))
+  return y.reshape(x.shape), loss
+
+
+def sum_of_squares(y):
+  return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+
+def linen_run(layer, params, x):
+  """y, the sown loss, and d(sum y^2)/d(params, x), under jit."""
+  def loss(params, x):
+    y, state = layer.apply({"params": params}, x, mutable=["intermediates"])
+    return sum_of_squares(y), (y, state["intermediates"]["load_balancing_loss"][0])
+
+  (_, (y, aux)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+    params, x)
+  return y, aux, grads
+
+
+@functools.cache
+def reference_run(seed, num_experts, k, activation, x_shape, norm_topk_prob=True):
+  params, x = random_params(seed, num_experts, activation), random_x(seed + 1, x_shape)
+  ref = functools.partial(reference, k=k, activation=activation, norm_topk_prob=norm_topk_prob)
+  y, aux = jax.jit(ref)(params, x)
+  grads = jax.jit(jax.grad(lambda p, x: sum_of_squares(ref(p, x)[0]), argnums=(0, 1)))(params, x)
+  return params, x, y, aux, grads
+
+
+CASES = [  # (num_experts, k, x shape): odd token counts, a batch, k = 1 and 2, E = 4 and 8.
+  (4, 1, (13, HIDDEN)),
+  (4, 2, (3, 5, HIDDEN)),
+  (8, 2, (2, 7, HIDDEN)),
+  (8, 1, (1, HIDDEN)),
+]
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("num_experts,k,x_shape", CASES)
+def test_linen_matches_dense_reference(activation, num_experts, k, x_shape):
+  params, x, y_ref, aux_ref, grads_ref = reference_run(3, num_experts, k, activation, x_shape)
+  layer = jaxflux.MoE(num_experts, k, INTER, activation=activation, impl="xla")
+  y, aux, grads = linen_run(layer, params, x)
+  assert y.shape == x.shape and y.dtype == jnp.float32
+  assert_trees_close(y, y_ref)
+  np.testing.assert_allclose(aux, aux_ref, rtol=1e-5)
+  assert_trees_close(grads, grads_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_without_renormalized_top_k():
+  params, x, y_ref, _, grads_ref = reference_run(5, 8, 2, "swiglu", (9, HIDDEN), False)
+  y, _, grads = linen_run(jaxflux.MoE(8, 2, INTER, norm_topk_prob=False), params, x)
+  assert_trees_close(y, y_ref)
+  assert_trees_close(grads, grads_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_init_params_and_loss_range():
+  layer = jaxflux.MoE(8, 2, INTER, activation="gelu")
+  x = random_x(0, (4, 6, HIDDEN))
+  variables = jax.jit(layer.init)(jax.random.key(0), x)
+  shapes = jax.tree.map(jnp.shape, nn.unbox(variables))["params"]
+  assert shapes == {"gate": (HIDDEN, 8), "wi": (8, HIDDEN, INTER), "wo": (8, INTER, HIDDEN)}
+  wi = np.asarray(nn.unbox(variables)["params"]["wi"])
+  assert 0.5 < wi.std() * np.sqrt(HIDDEN) < 1.5  # fan-in scaling per expert
+  _, state = jax.jit(lambda v, x: layer.apply(v, x, mutable=["intermediates"]))(variables, x)
+  (aux,) = state["intermediates"]["load_balancing_loss"]
+  assert 1.0 <= float(aux) <= 8.0  # 1 at perfect balance, E when one expert takes all
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_nnx_equals_linen(activation):
+  params, x, y_ref, aux_ref, _ = reference_run(7, 4, 2, activation, (3, 5, HIDDEN))
+  model = nnx.jit(lambda: jaxflux.nnx.MoE(HIDDEN, 4, 2, INTER, activation=activation,
+                                         rngs=nnx.Rngs(0)))()
+  state = nnx.state(model, nnx.Param)
+  assert set(nnx.to_pure_dict(state)) == set(params)
+  nnx.replace_by_pure_dict(state, params)
+  nnx.update(model, state)
+  y, aux = nnx.jit(lambda m, x: m(x, return_load_balancing_loss=True))(model, x)
+  y_linen, aux_linen, _ = linen_run(jaxflux.MoE(4, 2, INTER, activation=activation), params, x)
+  np.testing.assert_array_equal(y, y_linen)
+  assert float(aux) == float(aux_linen)
+  assert_trees_close(y, y_ref)
+  assert nnx.jit(lambda m, x: m(x))(model, x).shape == x.shape  # y alone by default
+
+  def loss(model, x):
+    return sum_of_squares(model(x))
+
+  grads = nnx.jit(nnx.grad(loss))(model, x)
+  _, _, (linen_grads, _) = linen_run(jaxflux.MoE(4, 2, INTER, activation=activation), params, x)
+  assert_trees_close(nnx.to_pure_dict(grads), linen_grads)
+
+
+def test_xla_and_auto_agree_and_fused_raises_on_cpu():
+  params, x = random_params(1, 4, "swiglu"), random_x(2, (2, 5, HIDDEN))
+  ys = {impl: jax.jit(jaxflux.MoE(4, 2, INTER, impl=impl).apply)({"params": params}, x)
+        for impl in ("xla", "auto")}
+  np.testing.assert_array_equal(ys["xla"], ys["auto"])
+  if jaxflux.has_cuda():
+    pytest.skip("the fused kernel may run here")
+  layer = jaxflux.MoE(4, 2, INTER, impl="fused", dtype=jnp.bfloat16)
+  with pytest.raises(jaxflux.FusedKernelUnavailableError, match="grouped_matmul"):
+    jax.jit(layer.apply)({"params": params}, x)
+
+
+def test_bfloat16_compute_with_float32_params():
+  params, x, y_ref, _, _ = reference_run(11, 8, 2, "swiglu", (4, 8, HIDDEN))
+  layer = jaxflux.MoE(8, 2, INTER, dtype=jnp.bfloat16)
+  y = jax.jit(layer.apply)({"params": params}, x)
+  assert y.dtype == jnp.bfloat16
+  err = np.max(np.abs(np.asarray(y, np.float32) - np.asarray(y_ref)))
+  assert 0 < err < 3e-2 * np.max(np.abs(np.asarray(y_ref))), err
+  grads = jax.jit(jax.grad(lambda p: sum_of_squares(layer.apply({"params": p}, x))))(params)
+  assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+  # A bfloat16 input with float32 params computes in float32, as flax's promotion does.
+  y32 = jax.jit(jaxflux.MoE(8, 2, INTER).apply)({"params": params}, x.astype(jnp.bfloat16))
+  assert y32.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("kwargs,match", [
+  (dict(num_experts_per_tok=5), r"num_experts_per_tok=5 must be an int from 1 to num_experts=4"),
+  (dict(num_experts_per_tok=0), r"num_experts_per_tok=0"),
+  (dict(num_experts=0), r"num_experts=0 must be a positive int"),
+  (dict(intermediate_size=2.5), r"intermediate_size=2.5"),
+  (dict(activation="relu"), r"activation='relu' is not one of \('swiglu', 'gelu'\)"),
+  (dict(impl="cutlass"), r"impl='cutlass' is not one of"),
+  (dict(norm_topk_prob=1), r"norm_topk_prob=1 must be a bool"),
+  (dict(dtype=jnp.int8), r"dtype=.*not a floating dtype"),
+  (dict(wi_axes=("exp", "embed")), r"wi_axes=\('exp', 'embed'\) must be a tuple of 3"),
+])
+def test_bad_arguments_raise_at_construction(kwargs, match):
+  base = dict(num_experts=4, num_experts_per_tok=2, intermediate_size=INTER)
+  with pytest.raises(ValueError, match=match):
+    jaxflux.MoE(**{**base, **kwargs})
+  with pytest.raises(ValueError, match=match.replace("jaxflux.MoE", "jaxflux.nnx.MoE")):
+    jaxflux.nnx.MoE(HIDDEN, **{**base, **kwargs}, rngs=nnx.Rngs(0))
+
+
+def test_bad_inputs_raise_at_trace_time():
+  layer = jaxflux.MoE(4, 2, INTER)
+  params = {"params": random_params(0, 4, "swiglu")}
+  with pytest.raises(TypeError, match=r"jaxflux.MoE: the input must be a floating-point"):
+    jax.eval_shape(layer.init, jax.random.key(0), jnp.zeros((3, HIDDEN), jnp.int32))
+  with pytest.raises(ValueError, match=r"input has shape \(3, 8\).*hidden size .* is 16"):
+    jax.eval_shape(layer.apply, params, jnp.zeros((3, 8)))
+  model = jaxflux.nnx.MoE(HIDDEN, 4, 2, INTER, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"jaxflux.nnx.MoE: the input has shape \(3, 8\)"):
+    model(jnp.zeros((3, 8)))
+  boxed = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("exp", "embed", "mlp"))
+  with pytest.raises(ValueError, match=r"kernel_init returns LogicallyPartitioned.*wi_axes"):
+    jax.eval_shape(jaxflux.MoE(4, 2, INTER, kernel_init=boxed).init, jax.random.key(0),
+                   jnp.zeros((3, HIDDEN)))
+  with pytest.raises(ValueError, match=r"kernel_init returns nnx.VariableMetadata"):
+    jaxflux.nnx.MoE(HIDDEN, 4, 2, INTER, rngs=nnx.Rngs(0),
+                    kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(),
+                                                      ("exp", "embed", "mlp")))
+
+
+def test_logical_names_on_the_params():
+  layer = jaxflux.MoE(4, 2, INTER)
+  boxed = jax.eval_shape(layer.init, jax.random.key(0), jnp.zeros((3, HIDDEN)))["params"]
+  assert all(isinstance(v, nn.LogicallyPartitioned) for v in boxed.values())
+  assert nn.get_partition_spec(boxed) == {
+    "gate": P("embed", None), "wi_0": P("exp", "embed", "mlp"),
+    "wi_1": P("exp", "embed", "mlp"), "wo": P("exp", "mlp", "embed")}
+  custom = jaxflux.MoE(4, 2, INTER, gate_axes=("hidden", None), wi_axes=("e", None, "ff"),
+                       wo_axes=("e", "ff", None))
+  boxed = jax.eval_shape(custom.init, jax.random.key(0), jnp.zeros((3, HIDDEN)))["params"]
+  assert nn.get_partition_spec(boxed)["wo"] == P("e", "ff", None)
+
+
+# (mesh shape, axis names, rules, x's sharding): experts over 'ep' with the batch over 'dp',
+# the tokens over the experts' axis (gathered, then reduce-scattered), experts and their
+# intermediate dimension over 'ep' and 'tp' with the tokens over 'tp', and the 8-way split.
+MESHES = {
+  "dp2_ep4": ((2, 4), ("dp", "ep"), (("exp", "ep"),), P("dp")),
+  "tokens_on_ep": ((2, 4), ("dp", "ep"), (("exp", "ep"),), P("ep")),
+  "ep2_tp4": ((2, 4), ("ep", "tp"), (("exp", "ep"), ("mlp", "tp")), P(None, "tp")),
+  "dp2_ep2_tp2_fsdp": ((2, 2, 2), ("dp", "ep", "tp"),
+                       (("exp", "ep"), ("mlp", "tp"), ("embed", "dp")), P("dp", "tp")),
+  "ep8": ((8,), ("ep",), (("exp", "ep"),), P()),
+}
+
+
+def mesh_spec(names, rules):
+  return nn.logical_to_mesh_axes(names, rules)
+
+
+@pytest.mark.parametrize("axis_type", [EXPLICIT, AUTO])
+@pytest.mark.parametrize("case", sorted(MESHES))
+def test_sharded_over_experts_matches_unsharded(case, axis_type):
+  shape, names, rules, x_spec = MESHES[case]
+  mesh = mesh_of(shape, names, axis_type)
+  layer = jaxflux.MoE(8, 2, INTER)
+  params, x, y_ref, aux_ref, grads_ref = reference_run(13, 8, 2, "swiglu", (4, 8, HIDDEN))
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    variables = jax.jit(layer.init)(jax.random.key(0), x)
+    for name, box in variables["params"].items():
+      assert isinstance(box, nn.LogicallyPartitioned)
+      assert box.value.sharding.is_equivalent_to(
+        NamedSharding(mesh, mesh_spec(box.names, rules)), box.value.ndim), name
+    xs = jax.device_put(x, NamedSharding(mesh, x_spec))
+    params_sharded = {k: jax.device_put(v, variables["params"][k].value.sharding)
+                      for k, v in params.items()}
+    y, aux, grads = linen_run(layer, params_sharded, xs)
+  assert_trees_close(y, y_ref)
+  np.testing.assert_allclose(aux, aux_ref, rtol=1e-5)
+  assert_trees_close(grads, grads_ref, rtol=1e-4, atol=1e-5)
+  if axis_type == EXPLICIT:  # The tokens keep their sharding, the grads their params'.
+    assert jax.typeof(y).sharding.spec == P(*x_spec, *[None] * (3 - len(x_spec)))
+    for name, g in grads[0].items():
+      assert g.sharding.is_equivalent_to(params_sharded[name].sharding, g.ndim), name
+
+
+def test_expert_weights_are_never_gathered():
+  """Expert parallelism, not FSDP: each device multiplies by its own experts; the forward
+  communicates only the outputs' all-reduce."""
+  shape, names, rules, x_spec = MESHES["dp2_ep4"]
+  mesh = mesh_of(shape, names)
+  layer = jaxflux.MoE(8, 2, INTER)
+  x = random_x(0, (4, 8, HIDDEN))
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    variables = jax.jit(layer.init)(jax.random.key(0), x)
+    xs = jax.device_put(x, NamedSharding(mesh, x_spec))
+    hlo = jax.jit(layer.apply).lower(variables, xs).compile().as_text()
+  collectives = re.findall(r"(all-gather|all-reduce|reduce-scatter|all-to-all)\(", hlo)
+  assert set(collectives) == {"all-reduce"}, collectives
+
+
+def test_uneven_expert_split_raises():
+  mesh = mesh_of((4,), ("ep",))
+  with jax.set_mesh(mesh), nn.logical_axis_rules((("exp", "ep"),)):
+    with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by 4.*wi_axes\[0\]"):
+      jax.eval_shape(jaxflux.MoE(6, 2, INTER).init, jax.random.key(0), jnp.zeros((8, HIDDEN)))
+    with pytest.raises(ValueError, match=r"jaxflux.nnx.MoE: num_experts=6 is not divisible"):
+      jaxflux.nnx.MoE(HIDDEN, 6, 2, INTER, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("axis_type", [EXPLICIT, AUTO])
+def test_nnx_sharded_over_experts(axis_type):
+  shape, names, rules, x_spec = MESHES["dp2_ep4"]
+  mesh = mesh_of(shape, names, axis_type)
+  params, x, y_ref, _, _ = reference_run(17, 8, 2, "swiglu", (4, 8, HIDDEN))
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules + (("embed", None), ("mlp", None))):
+    model = nnx.jit(lambda: jaxflux.nnx.MoE(HIDDEN, 8, 2, INTER, rngs=nnx.Rngs(0)))()
+    assert model.wi_1.get_metadata()["out_sharding"] == ("exp", "embed", "mlp")
+    assert model.gate.get_metadata()["out_sharding"] == ("embed", None)
+    specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+    assert specs["wo"].get_value() == P("ep", None, None)
+    assert model.wo[...].sharding.is_equivalent_to(NamedSharding(mesh, P("ep")), 3)
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, {k: jax.device_put(v, getattr(model, k)[...].sharding)
+                                     for k, v in params.items()})
+    nnx.update(model, state)
+    y = nnx.jit(lambda m, x: m(x))(model, jax.device_put(x, NamedSharding(mesh, x_spec)))
+  assert_trees_close(y, y_ref)
+
+
+def test_nnx_without_rules_or_mesh():
+  # No mesh: the names are kept as metadata, nothing is placed. A mesh without rules: names that
+  # are no mesh axis are left out (replicated), as a Linen name without a rule.
+  model = jaxflux.nnx.MoE(HIDDEN, 4, 2, INTER, rngs=nnx.Rngs(0))
+  assert model.wi_0.get_metadata()["out_sharding"] == ("exp", "embed", "mlp")
+  with jax.set_mesh(mesh_of((8,), ("exp",))):
+    model = jaxflux.nnx.MoE(HIDDEN, 8, 2, INTER, rngs=nnx.Rngs(0))
+    y = nnx.jit(lambda m, x: m(x))(model, random_x(0, (5, HIDDEN)))
+  assert model.wi_0.get_metadata()["out_sharding"] == ("exp", None, None)
+  assert model.wi_0[...].sharding.spec == P("exp", None, None)
+  assert y.shape == (5, HIDDEN)
+
+
+@pytest.mark.parametrize("module", ["jaxflux.moe_linen", "jaxflux.moe_nnx"])
+def test_docstring_examples_run(module):
+  import doctest
+  import importlib
+
+  assert doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS).failed == 0
