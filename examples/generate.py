@@ -335,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--quiet", action="store_true", help="print the comparisons only")
   p.add_argument("--out", metavar="FILE.json", help="write config, timings, the comparisons, "
                  "machine and versions")
+  p.set_defaults(moe=None)  # the training example's model field: dense MLPs here
   return p
 
 

@@ -20,6 +20,9 @@ are replicated; the AdamW state is sharded like the params.
 under GSPMD with XLA's windowed-einsum flags (its own collective matmul) added to XLA_FLAGS.
 --fp8 runs Flax's FP8 recipe (nn.Fp8DirectDotGeneralOp) on every tensor-parallel projection, and
 compares with flax.linen.Dense running the same recipe and with the same run without FP8.
+--moe EXPERTS,TOP_K makes every MLP a routed mixture of experts (jaxflux.MoE, each expert's
+intermediate dimension split over tp by MOE_RULES); the reference model runs it on
+lax.ragged_dot, the jaxflux model on the grouped GEMM kernel where it runs.
 """
 from __future__ import annotations
 
@@ -119,10 +122,16 @@ class MLP(nn.Module):
   activation: str
   dense: Callable[..., nn.Module]
   dtype: Any = jnp.float32
+  moe: tuple[int, int] | None = None  # (experts, experts per token): a routed expert MLP
+  moe_impl: str = "xla"
 
   @nn.compact
   def __call__(self, x):
     b, t, c = x.shape
+    if self.moe:  # each expert an MLP of width ffn; MOE_RULES place its params
+      experts, top_k = self.moe
+      return jaxflux.MoE(experts, top_k, self.ffn, activation=self.activation, dtype=self.dtype,
+                         impl=self.moe_impl, name="moe")(x)
     if self.activation == "swiglu":
       h = self.dense(2 * self.ffn, tensor_parallel="column", dtype=self.dtype, name="fc1")(x)
       h = shard_tp(h.reshape(b, t, self.ffn, 2), None, "tp", None)
@@ -139,13 +148,16 @@ class Block(nn.Module):
   activation: str
   dense: Callable[..., nn.Module]
   dtype: Any = jnp.float32
+  moe: tuple[int, int] | None = None
+  moe_impl: str = "xla"
 
   @nn.compact
   def __call__(self, x):  # pre-norm residual block, token-sharded in and out
     h = nn.RMSNorm(dtype=self.dtype, name="norm1")(x)
     x = shard_tokens(x + Attention(self.heads, self.dense, self.dtype, name="attn")(h))
     h = nn.RMSNorm(dtype=self.dtype, name="norm2")(x)
-    return shard_tokens(x + MLP(self.ffn, self.activation, self.dense, self.dtype, name="mlp")(h))
+    return shard_tokens(x + MLP(self.ffn, self.activation, self.dense, self.dtype, self.moe,
+                                self.moe_impl, name="mlp")(h))
 
 
 class Transformer(nn.Module):
@@ -158,6 +170,8 @@ class Transformer(nn.Module):
   activation: str
   dense: Callable[..., nn.Module]
   dtype: Any = jnp.float32
+  moe: tuple[int, int] | None = None
+  moe_impl: str = "xla"
 
   @nn.compact
   def __call__(self, tokens):
@@ -166,7 +180,8 @@ class Transformer(nn.Module):
     spec = jax.typeof(tokens).sharding.spec
     x = shard_tokens(jnp.asarray(table, self.dtype).at[tokens].get(out_sharding=P(*spec, None)))
     for i in range(self.layers):
-      x = Block(self.heads, self.ffn, self.activation, self.dense, self.dtype, name=f"block{i}")(x)
+      x = Block(self.heads, self.ffn, self.activation, self.dense, self.dtype, self.moe,
+                self.moe_impl, name=f"block{i}")(x)
     x = nn.RMSNorm(dtype=self.dtype, name="norm_f")(x)
     return shard_tokens(self.dense(self.vocab, dtype=self.dtype, name="lm_head")(x))
 
@@ -191,16 +206,25 @@ def make_mesh(tp: int | None, dp_type: AxisType = AxisType.Explicit) -> jax.shar
   return jax.make_mesh((n // tp, tp), ("dp", "tp"), axis_types=(dp_type, AxisType.Auto))
 
 
+# --moe: the MoE layers' logical axes on this mesh. Each expert's intermediate dimension is
+# split over tp (expert tensor parallelism, like the dense MLP's); every device holds every expert.
+MOE_RULES = (("exp", None), ("embed", None), ("mlp", "tp"))
+
+
 def build_model(args, dense) -> Transformer:
+  # The MoE layers run the model's own impl: jaxflux's models the grouped GEMM where it runs
+  # (impl="auto"/"fused"), the reference (flax.linen.Dense, or --mode xla) lax.ragged_dot.
+  moe_impl = dense.keywords["impl"] if isinstance(dense, functools.partial) else "xla"
   return Transformer(args.vocab, args.hidden, args.heads, args.layers, args.ffn,
-                     args.activation, dense, jnp.dtype(args.dtype))
+                     args.activation, dense, jnp.dtype(args.dtype), args.moe, moe_impl)
 
 
 def param_specs(args):
   """The jaxflux model's param layout (flax.linen.Dense models carry none: they take this)."""
   model = build_model(args, jaxflux_dense("xla"))
   example = jnp.zeros((args.batch, args.seq), jnp.int32)
-  return nn.get_partition_spec(jax.eval_shape(model.init, jax.random.key(0), example)["params"])
+  specs = nn.get_partition_spec(jax.eval_shape(model.init, jax.random.key(0), example)["params"])
+  return nn.logical_to_mesh(specs, MOE_RULES) if args.moe else specs
 
 
 def prepare(args, mesh, dense, specs):
@@ -306,6 +330,11 @@ PRESETS = {
     "llama70b-8l": dict(hidden=8192, heads=64, ffn=28672, layers=8, seq=4096, batch=1,
                         activation="swiglu", vocab=32768, dtype="bfloat16", lr=1.5e-4,
                         lr_warmup=50),
+    # Mixtral 8x7B's layer sizes (8 experts of width 14336, top-2; full multi-head attention),
+    # 2 layers, 4096 tokens: fits one H200.
+    "mixtral-2l": dict(hidden=4096, heads=32, ffn=14336, layers=2, seq=4096, batch=1,
+                       activation="swiglu", vocab=32000, dtype="bfloat16", lr=1.5e-4,
+                       lr_warmup=50, moe=(8, 2)),
 }
 
 
@@ -369,6 +398,17 @@ def parse_distributed(value: str) -> tuple[str, int, int]:
   return coordinator, num, pid
 
 
+def parse_moe(value: str) -> tuple[int, int]:
+  """--moe EXPERTS,TOP_K: two positive ints, TOP_K <= EXPERTS."""
+  parts = value.split(",")
+  if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+    raise argparse.ArgumentTypeError(f"expected EXPERTS,TOP_K, e.g. 8,2; got {value!r}")
+  experts, top_k = (int(p) for p in parts)
+  if not 1 <= top_k <= experts:
+    raise argparse.ArgumentTypeError(f"TOP_K={top_k} must be from 1 to EXPERTS={experts}")
+  return experts, top_k
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=HelpFormatter)
@@ -400,6 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--seed", type=int, default=0, help="seed of the params and the synthetic "
                  "batches (>= 0)")
   p.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (>= 0)")
+  p.add_argument("--moe", type=parse_moe, metavar="EXPERTS,TOP_K", default=None,
+                 help="mixture-of-experts MLPs (jaxflux.MoE): EXPERTS experts of width --ffn, "
+                      "TOP_K per token, e.g. 8,2; the reference model runs them on "
+                      "lax.ragged_dot")
   p.add_argument("--fp8", action="store_true",
                  help="Flax's FP8 recipe on the tensor-parallel projections")
   p.add_argument("--no-compare", action="store_true",
@@ -435,6 +479,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   if args.impl != "auto" and args.mode != "jaxflux":
     p.error(f"--impl {args.impl} applies to --mode jaxflux only: drop --impl or use --mode "
             "jaxflux")
+  if args.moe and args.fp8:
+    p.error("--moe and --fp8 together are not supported: the experts' grouped GEMMs take no FP8 "
+            "recipe; drop one of them")
   if args.impl == "fused" and args.dtype != "bfloat16":
     p.error(f"--impl fused needs --dtype bfloat16 (the fused kernels' dtype), not {args.dtype}: "
             "add --dtype bfloat16, or use --impl auto")
@@ -541,7 +588,7 @@ def run_example(args, argv: Sequence[str] | None) -> dict:
   batches = [synthetic_batch(args.seed, i, args.batch, args.seq, args.vocab)
              for i in range(args.steps)]
   result: dict[str, Any] = {"args": vars(args), "dp": dp, "tp": tp, "mode": mode}
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), nn.logical_axis_rules(MOE_RULES):
     specs = param_specs(args)
     dense = flax_dense if mode == "windowed" else jaxflux_dense(
         "xla" if mode == "xla" else args.impl)

@@ -180,6 +180,9 @@ def expect_usage_error(capsys, run, message: str) -> None:
     (["--distributed", "h:1,2,2"], "--distributed 'h:1,2,2': needs a coordinator host:port"),
     (["--local-device-ids", "0"], "--local-device-ids applies with --distributed only"),
     (["--preset", "big"], "argument --preset: invalid choice: 'big'"),
+    (["--moe", "8"], "argument --moe: expected EXPERTS,TOP_K, e.g. 8,2; got '8'"),
+    (["--moe", "4,5"], "argument --moe: TOP_K=5 must be from 1 to EXPERTS=4"),
+    (["--moe", "4,2", "--fp8"], "--moe and --fp8 together are not supported"),
 ))
 def test_rejects_bad_flags(example, capsys, extra, message):
   expect_usage_error(capsys, lambda: example.main(SMALL + extra), message)
@@ -309,6 +312,23 @@ def test_preset_sets_defaults_and_flags_override(example):
   assert args.layers == 2  # the explicit flag wins over the preset
   default = example.parse_args([])
   assert default.hidden == 128 and default.lr_warmup == 0  # no preset: the small model
+
+
+def test_moe_preset(example):
+  args = example.parse_args(["--preset", "mixtral-2l"])
+  assert args.moe == (8, 2) and (args.hidden, args.ffn, args.layers) == (4096, 14336, 2)
+  assert example.parse_args(["--moe", "16,4"]).moe == (16, 4)
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_moe_trains_and_matches_the_ragged_dot_model(example, tp):
+  """--moe: routed expert MLPs (jaxflux.MoE, experts split over tp inside each expert) in
+  both models; the reference runs them on lax.ragged_dot, and the curves agree."""
+  _require_devices(8)
+  result = example.main(SMALL + ["--tp", str(tp), "--moe", "4,2", "--activation", "swiglu"])
+  ours, ref = result["jaxflux"], result["flax"]
+  assert sum(ours[-3:]) / 3 < sum(ours[:3]) / 3 - 0.3, ours
+  assert result["max_rel_diff"] <= 1e-4 and result["ok"], (ours, ref)
 
 
 def test_preset_lr_warmup_starts_from_zero(example):

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, PartitionSpec as P
 
 from jaxflux import tuning
 from jaxflux.ops import _grouped_kernel
@@ -148,3 +149,28 @@ def test_many_small_groups_and_no_rows():
   assert none.shape == (0, n)
   zeros = grouped_matmul(x, w, jnp.zeros((g,), jnp.int32), impl="fused", transpose_w=True)
   assert not np.any(np.asarray(zeros, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w_spec,loss_axes", [(P(), ("dp",)), (P("tp"), ("dp", "tp"))],
+                         ids=["w-replicated", "w-expert-sharded"])
+def test_gradients_under_shard_map(w_spec, loss_axes):
+  """Inside shard_map the kernel's results are typed like the XLA path's: the forward varies as
+  its operands, dx like x, dw like w (summed over the token shards when w is replicated)."""
+  mesh = jax.make_mesh((1, 1), ("dp", "tp"), axis_types=(AxisType.Auto, AxisType.Auto),
+                       devices=jax.devices()[:1])
+  m, k, n, sizes = 512, 256, 256, (200, 0, 312)
+  x, w = operands(11, m, k, n, len(sizes), jnp.bfloat16, False)
+  gs = jnp.asarray(sizes, jnp.int32)
+
+  def loss(x, w, gs, impl):
+    def local(x, w, gs):
+      y = grouped_matmul(x, w, gs, impl=impl).astype(jnp.float32)
+      return jax.lax.psum(jnp.sum(y * y), loss_axes)  # the axes y varies along
+    return jax.shard_map(local, mesh=mesh, in_specs=(P("dp"), w_spec, P()), out_specs=P())(
+        x, w, gs)
+
+  grads = {impl: jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=3)(x, w, gs, impl)
+           for impl in ("fused", "xla")}
+  for got, want in zip(grads["fused"], grads["xla"]):
+    assert rel_err(got, want) <= 2e-2

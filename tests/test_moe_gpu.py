@@ -32,3 +32,24 @@ def test_fused_layer_matches_ragged_dot_layer(activation):
   for got, want in zip(jax.tree.leaves(g_fused), jax.tree.leaves(g_xla)):
     assert rel_err(got, want) <= 2e-2
   assert np.all(np.isfinite(np.asarray(y_fused, np.float32)))
+
+
+@pytest.mark.gpu
+def test_fused_layer_under_a_mesh_with_expert_rules():
+  """Under jax.set_mesh with the experts' intermediate dimension on tp (the layer's shard_map
+  path), as examples/train_tp_transformer.py --moe runs it: gradients equal the XLA path's."""
+  from jax.sharding import AxisType
+  import flax.linen as nn
+  mesh = jax.make_mesh((1, 1), ("dp", "tp"), axis_types=(AxisType.Explicit, AxisType.Auto),
+                       devices=jax.devices()[:1])
+  rules = (("exp", None), ("embed", None), ("mlp", "tp"))
+  x = jax.random.normal(jax.random.key(2), (2, 256, 256), jnp.float32).astype(jnp.bfloat16)
+  grads = {}
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    for impl in ("fused", "xla"):
+      layer = jaxflux.MoE(4, 2, 512, impl=impl, dtype=jnp.bfloat16)
+      params = jax.jit(layer.init)(jax.random.key(3), x)["params"]
+      loss = lambda p, x: jnp.mean(jnp.square(layer.apply({"params": p}, x).astype(jnp.float32)))
+      grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+  for got, want in zip(jax.tree.leaves(grads["fused"]), jax.tree.leaves(grads["xla"])):
+    assert rel_err(got, want) <= 2e-2

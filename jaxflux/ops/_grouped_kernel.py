@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflux import _runtime, tuning
-from jaxflux.ops import _plan
+from jaxflux.ops import _common, _plan
 
 _TARGET = "jaxflux_grouped_gemm"
 _FORWARD, _WEIGHT_GRAD = 0, 1
@@ -29,8 +29,11 @@ def _call(a, b, group_sizes, out_shape, *, kind: int, transpose_w: bool, group_r
   if tile is None:
     tile = tuning.choose_grouped_matmul(group_rows=group_rows, n=out_shape[-1])
   call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(out_shape, a.dtype))
-  return call(a, b, group_sizes, kind=np.int64(kind), transpose_w=np.int64(transpose_w),
-              tile=np.int64(tuning.GROUPED_TILES.index(tile)))
+  out = call(a, b, group_sizes, kind=np.int64(kind), transpose_w=np.int64(transpose_w),
+             tile=np.int64(tuning.GROUPED_TILES.index(tile)))
+  # Inside shard_map the FFI result comes back unvarying; it varies as its operands do.
+  return _common.mark_varying(
+      out, _common.vma(a) | _common.vma(b) | _common.vma(group_sizes))
 
 
 def _forward(x, w, group_sizes, transpose_w: bool, tile: str | None):
@@ -69,7 +72,10 @@ def _bwd(transpose_w, tile, residuals, dy):
   dx = _forward(dy, w, group_sizes, not transpose_w, tile)
   dw = (_weight_grad(dy, x, group_sizes, tile) if transpose_w
         else _weight_grad(x, dy, group_sizes, tile))
-  return dx, dw.astype(w.dtype), np.zeros(group_sizes.shape, jax.dtypes.float0)
+  # Typed like the primals, as a custom_vjp's cotangents must be: summed over the axes the
+  # operand was broadcast along (e.g. a weight shared by every token shard).
+  return (_common.match_vma(dx, x), _common.match_vma(dw.astype(w.dtype), w),
+          np.zeros(group_sizes.shape, jax.dtypes.float0))
 
 
 grouped_matmul.defvjp(_fwd, _bwd)
