@@ -38,6 +38,13 @@ processes' GPUs:
     row-parallel matmul_reduce_scatter, impl="fused"), forward and backward (jax.vjp with a
     random cotangent) in one program, bf16 and fp16 at fuzz_cases.MLP_SHAPES, against a float64
     forward and backward (z, dx, dw1, dw2) of the global data;
+  MODE=moe: the tensor-parallel MoE ops (jaxflux.all_gather_grouped_matmul, GELU,
+    jaxflux.grouped_matmul_reduce_scatter, impl="fused") as one expert MLP, forward and backward
+    in one program, on random routings with empty experts, odd token counts, top-1 to top-3,
+    both weight layouts, bf16 and fp16, against a float32 dense reference of the global data
+    that runs every token through every expert and picks its top-k (z, the first op's rows,
+    dx, dw1, dw2, d(weights)); 20 back-to-back calls; every compiled program holds both fused
+    custom calls and no XLA all-gather / reduce-scatter;
   MODE=die: one call of each fused op (and the all-gather, and GEMM+RS with either reduction:
     every kind of wait in the kernels), then process 1 exits at once and process 0 calls each
     again: each must fail with jaxflux's timeout error naming its op, instead of hanging.
@@ -497,6 +504,121 @@ def run_mlp():
           print(f"FAIL {name} {out_name} {verdict} ({out.dtype})", flush=True)
 
 
+def moe_data(seed, m, k, n, out, experts, topk, dtype):
+  """Global operands of an expert MLP at tp ranks of m tokens: x [tp*m, k], w1 [G, k, n],
+  w2 [G, n, out], the router's picks ids [tp*m, topk] (distinct experts per token, drawn from
+  the first experts only, so that the last ones get no rows) and weights [tp*m, topk]."""
+  rng = np.random.default_rng(seed)
+  cast = lambda a: np.asarray(jnp.asarray(a, dtype).astype(jnp.float32))  # noqa: E731
+  used = max(topk, experts - 2)  # the last two experts stay empty
+  ids = np.stack([rng.permutation(used)[:topk] for _ in range(tp * m)]).astype(np.int32)
+  return dict(x=cast(rng.standard_normal((tp * m, k))),
+              w1=cast(rng.standard_normal((experts, k, n)) / np.sqrt(k)),
+              w2=cast(rng.standard_normal((experts, n, out)) / np.sqrt(n)),
+              ids=ids.reshape(tp * m, topk),
+              weights=rng.uniform(0.1, 1.0, (tp * m, topk)).astype(np.float32))
+
+
+def moe_reference(x, w1, w2, ids, weights, ct):
+  """(z, rows' products y, dx, dw1, dw2, dweights) in float32 on the CPU: every token through
+  every expert, then each token's top-k picked and weighted (no routing, no sort, no grouped
+  GEMM). y: segment p's rows are rank p's (token, k) pairs sorted by expert (stable)."""
+  def mlp(x, w1, w2, weights):
+    hidden = jnp.einsum("tk,gkn->tgn", x, w1)
+    every = jnp.einsum("tgn,gno->tgo", jax.nn.gelu(hidden, approximate=True), w2)
+    picked = jnp.take_along_axis(every, ids[:, :, None], axis=1)  # [t, topk, out]
+    return jnp.einsum("tj,tjo->to", weights, picked), hidden
+  with jax.default_device(jax.devices("cpu")[0]):
+    z, hidden = mlp(x, w1, w2, weights)
+    grads = jax.grad(lambda *a: jnp.sum(mlp(*a)[0] * ct), argnums=(0, 1, 2, 3))(
+        x, w1, w2, weights)
+  m = x.shape[0] // tp
+  topk = ids.shape[1]
+  rows = []
+  for p in range(tp):
+    pairs = ids[p * m:(p + 1) * m].reshape(-1)
+    order = np.argsort(pairs, kind="stable")
+    rows.append(np.asarray(hidden)[p * m + order // topk, pairs[order]])
+  return (np.asarray(z), np.concatenate(rows)) + tuple(np.asarray(g) for g in grads)
+
+
+def run_moe():
+  """The MoE MLP on the fused MoE ops, forward and backward in one program (see MODE=moe)."""
+  cases = [  # (m tokens per rank, k, n, out, experts, topk, transpose_w)
+      (64, 256, 256, 256, 6, 2, False),
+      (13, 128, 128, 64, 8, 1, False),
+      (40, 128, 256, 128, 5, 3, True),
+      (128, 512, 512, 256, 8, 2, True),
+  ]
+  for dtype in (jnp.bfloat16, jnp.float16):
+    for i, (m, k, n, out, experts, topk, tw) in enumerate(cases):
+      name = f"moe {jnp.dtype(dtype).name} m={m} k={k} n={n} out={out} G={experts} top{topk}" + (
+          " transpose_w" if tw else "")
+      d = moe_data(200 + i, m, k, n, out, experts, topk, dtype)
+      ct = np.random.default_rng(300 + i).standard_normal((tp * m, out)).astype(np.float32)
+      want = moe_reference(d["x"], d["w1"], d["w2"], d["ids"], d["weights"], ct)
+      w1 = d["w1"].transpose(0, 2, 1) if tw else d["w1"]
+      w2 = d["w2"].transpose(0, 2, 1) if tw else d["w2"]
+      w1_spec = P(None, "tp", None) if tw else P(None, None, "tp")
+      w2_spec = P(None, None, "tp") if tw else P(None, "tp", None)
+
+      def model(x, w1, w2, ids_all, weights):
+        routing = jaxflux.moe_routing(ids_all, experts, "tp", gathered=True)
+        y = jaxflux.all_gather_grouped_matmul(x, w1, routing, axis_name="tp", impl="fused",
+                                              transpose_w=tw)
+        h = jax.nn.gelu(y.astype(jnp.float32), approximate=True).astype(y.dtype)
+        z = jaxflux.grouped_matmul_reduce_scatter(h, w2, routing, weights, axis_name="tp",
+                                                  impl="fused", transpose_w=tw)
+        return z, y
+
+      def step(x, w1, w2, ids_all, weights, ct):
+        (z, y), vjp = jax.vjp(lambda *a: model(*a, ids_all, weights), x, w1, w2)
+        dx, dw1, dw2 = vjp((ct.astype(z.dtype), jnp.zeros_like(y)))
+        dweights = jax.grad(lambda wt: jnp.sum(
+            model(x, w1, w2, ids_all, wt)[0].astype(jnp.float32) * ct))(weights)
+        return z, y, dx, dw1, dw2, dweights
+
+      tokens = P("tp", None)
+      in_specs = (tokens, w1_spec, w2_spec, P(), tokens, tokens)
+      out_specs = (tokens, P(None, "tp"), tokens, w1_spec, w2_spec, tokens)
+      f = shard_mapped(step, in_specs, out_specs)
+      args = (global_array(d["x"].astype(dtype), tokens), global_array(w1.astype(dtype), w1_spec),
+              global_array(w2.astype(dtype), w2_spec),
+              global_array(d["ids"].reshape(tp, m, topk), P()),
+              global_array(d["weights"], tokens), global_array(ct, tokens))
+      hlo = f.lower(*args).compile().as_text()
+      targets = ("jaxflux_all_gather_grouped_matmul",
+                 "jaxflux_grouped_matmul_reduce_scatter")
+      if all(t in hlo for t in targets) and not any(
+          c in hlo for c in ("all-gather-start", "all-gather(", "reduce-scatter(")):
+        print(f"PASS {name} hlo", flush=True)
+      else:
+        failures.append(f"{name}: the program lacks a fused call or has an XLA collective")
+        print(f"FAIL {name} hlo", flush=True)
+      outs = f(*args)
+      z_want, y_want, dx, dw1, dw2, dweights = want
+      dw1 = dw1.transpose(0, 2, 1) if tw else dw1
+      dw2 = dw2.transpose(0, 2, 1) if tw else dw2
+      for out_name, got, ref in zip(("z", "y", "dx", "dw1", "dw2", "dweights"), outs,
+                                    (z_want, y_want, dx, dw1, dw2, dweights)):
+        check(f"{name} {out_name}", got, ref, tol=2e-2)
+      if i == 0:
+        fwd = shard_mapped(lambda *a: model(*a)[0], in_specs[:5], tokens)
+        results, refs = [], []
+        for j in range(20):  # back to back, fresh data, no host sync
+          dj = moe_data(400 + j, m, k, n, out, experts, topk, dtype)
+          results.append(fwd(global_array(dj["x"].astype(dtype), tokens),
+                             global_array(dj["w1"].astype(dtype), w1_spec),
+                             global_array(dj["w2"].astype(dtype), w2_spec),
+                             global_array(dj["ids"].reshape(tp, m, topk), P()),
+                             global_array(dj["weights"], tokens)))
+          refs.append(dj)
+        for j in range(0, 20, 6):
+          zj = moe_reference(refs[j]["x"], refs[j]["w1"], refs[j]["w2"], refs[j]["ids"],
+                             refs[j]["weights"], ct)[0]
+          check(f"{name} back-to-back call {j}", results[j], zj, tol=2e-2)
+
+
 def shard_mapped(fn, in_specs, out_spec):
   return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec))
 
@@ -506,7 +628,9 @@ def shard_mapped(fn, in_specs, out_spec):
 DIE_CASES = ("all_gather_matmul (the GEMM's tile wait)",
              "matmul_reduce_scatter (the own-rows GEMM's epilogue wait)",
              "matmul_reduce_scatter (the reduction pass's wait)",
-             "all_gather (the gather kernel's wait)")
+             "all_gather (the gather kernel's wait)",
+             "all_gather_grouped_matmul (the MoE gather's wait)",
+             "grouped_matmul_reduce_scatter (the MoE combine's wait)")
 
 
 def run_die():
@@ -526,8 +650,24 @@ def run_die():
 
   gather = shard_mapped(lambda x: all_gather.all_gather(x, "tp", impl="fused")[None],
                         (P("tp", None),), P("tp"))  # each device's gathered copy
+  d = moe_data(7, 64, 128, 128, 128, 4, 2, jnp.bfloat16)
+  routing = lambda ids: jaxflux.moe_routing(ids, 4, "tp", gathered=True)  # noqa: E731
+  moe_ag = shard_mapped(
+      lambda x, w, ids: jaxflux.all_gather_grouped_matmul(x, w, routing(ids), axis_name="tp",
+                                                          impl="fused"),
+      (P("tp", None), P(None, None, "tp"), P()), P(None, "tp"))
+  moe_rs = shard_mapped(
+      lambda h, w, ids, wt: jaxflux.grouped_matmul_reduce_scatter(
+          h, w, routing(ids), wt, axis_name="tp", impl="fused"),
+      (P(None, "tp"), P(None, "tp", None), P(), P("tp", None)), P("tp", None))
+  ids_all = global_array(d["ids"].reshape(tp, 64, 2), P())
+  moe_ag_args = (bf16(d["x"], P("tp", None)), bf16(d["w1"], P(None, None, "tp")), ids_all)
+  h = np.random.default_rng(8).standard_normal((tp * 64 * 2, 128)).astype(np.float32)
+  moe_rs_args = (bf16(h, P(None, "tp")), bf16(d["w2"], P(None, "tp", None)), ids_all,
+                 global_array(d["weights"], P("tp", None)))
   calls = dict(zip(DIE_CASES, ((ag, ag_args), (rs_with("epilogue"), rs_args),
-                               (rs_with("pass"), rs_args), (gather, ag_args[:1]))))
+                               (rs_with("pass"), rs_args), (gather, ag_args[:1]),
+                               (moe_ag, moe_ag_args), (moe_rs, moe_rs_args))))
   for call, args in calls.values():
     call(*args).block_until_ready()
   _runtime.check_errors()
@@ -570,6 +710,10 @@ elif MODE == "all_reduce":
 elif MODE == "fuzz":
   with jax.set_mesh(mesh):
     run_fuzz()
+elif MODE == "moe":
+  with jax.set_mesh(mesh):
+    run_moe()
+  _runtime.check_errors()
 elif MODE == "mlp":
   with jax.set_mesh(mesh):
     run_mlp()

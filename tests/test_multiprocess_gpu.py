@@ -6,8 +6,8 @@ The same with both processes on one GPU (`shared`): the ranks' kernels take turn
 runs the fused ops' whole cross-rank protocol (IPC-mapped workspace, pushes, flags, bounded
 waits) on a one-GPU machine, so a change to the fused kernels can be checked for correctness
 without two GPUs. Those tests need one GPU; they say nothing of speed. Among them: a random
-fuzz of all three fused ops (tests/fuzz_cases.py) and the tensor-parallel MLP's forward and
-backward in one program."""
+fuzz of all three fused ops (tests/fuzz_cases.py), the tensor-parallel MLP's forward and
+backward in one program, and the same for the MoE ops' expert MLP."""
 import importlib.util
 import os
 import pathlib
@@ -69,9 +69,9 @@ def test_fused_ops_across_two_processes(launcher, tmp_path):
 
 
 def _assert_every_wait_timed_out(results):
-  """The survivor's four cases (the worker's DIE_CASES: each kind of wait) each timed out."""
+  """The survivor's six cases (the worker's DIE_CASES: each kind of wait) each timed out."""
   assert results[0][0] == 0 and "WORKER OK 0" in results[0][1], describe(results)
-  assert results[0][1].count("PASS dead peer, ") == 4, describe(results)
+  assert results[0][1].count("PASS dead peer, ") == 6, describe(results)
 
 
 def test_a_dead_peer_fails_the_survivor_within_the_timeout(launcher, tmp_path):
@@ -133,6 +133,17 @@ def test_fp8_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path):
     assert out.count("PASS fp8 ar ") == 40, describe(results)
   digests = [re.findall(r"^DIGEST (fp8 ar .+) ([0-9a-f]{64})$", out, re.M) for _, out in results]
   assert len(digests[0]) == 20 and digests[0] == digests[1], describe(results)
+
+
+def test_moe_ops_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path):
+  """The fused MoE ops as one expert MLP, forward and backward, against a dense float32
+  reference of the global data (the worker's MODE=moe)."""
+  results = _run(one_gpu_launcher, tmp_path, "moe", timeout=300, shared=True)
+  assert [code for code, _ in results] == [0, 0], describe(results)
+  for i, (_, out) in enumerate(results):
+    assert f"WORKER OK {i}" in out and "FAIL" not in out, describe(results)
+    # 2 dtypes x 4 cases x (hlo + 6 outputs), and 4 back-to-back checks per dtype
+    assert out.count("PASS moe ") == 2 * 4 * 7 + 2 * 4, describe(results)
 
 
 def test_a_dead_peer_sharing_one_gpu_fails_the_survivor(one_gpu_launcher, tmp_path):

@@ -20,6 +20,7 @@
 #include "xla_ffi/ffi/gemm_ar.h"
 #include "xla_ffi/ffi/gemm_rs.h"
 #include "xla_ffi/ffi/grouped_gemm.h"
+#include "xla_ffi/ffi/moe_gemm.h"
 #include "xla_ffi/ffi/rank_state_type.h"
 #include "xla_ffi/runtime/runtime.h"
 #endif
@@ -48,7 +49,7 @@ NB_MODULE(_jaxflux, m) {
   m.def("registrations", []() {
     nb::dict registrations;
 #ifdef JAXFLUX_WITH_CUDA
-    // The four group targets are stateful: one rank state per executable instance, created by
+    // The group targets are stateful: one rank state per executable instance, created by
     // the same instantiate stage.
     auto stateful = [](auto* execute) {
       nb::dict stages;
@@ -60,6 +61,10 @@ NB_MODULE(_jaxflux, m) {
     registrations["jaxflux_all_gather_matmul"] = stateful(JaxfluxAgGemmExecute);
     registrations["jaxflux_matmul_reduce_scatter"] = stateful(JaxfluxGemmRsExecute);
     registrations["jaxflux_matmul_all_reduce"] = stateful(JaxfluxGemmArExecute);
+    registrations["jaxflux_all_gather_grouped_matmul"] =
+        stateful(JaxfluxMoeAgGroupedGemmExecute);
+    registrations["jaxflux_grouped_matmul_reduce_scatter"] =
+        stateful(JaxfluxMoeGroupedGemmRsExecute);
     registrations["jaxflux_gemm"] = Capsule(JaxfluxGemm);
     registrations["jaxflux_grouped_gemm"] = Capsule(JaxfluxGroupedGemm);
     registrations["jaxflux_device_clock"] = Capsule(JaxfluxDeviceClock);

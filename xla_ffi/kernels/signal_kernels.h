@@ -15,6 +15,8 @@ enum class OpCode : int32_t {
   kAllGatherMatmul = 2,
   kMatmulReduceScatter = 3,
   kMatmulAllReduce = 4,
+  kMoeAllGatherGroupedMatmul = 5,
+  kMoeGroupedMatmulReduceScatter = 6,
 };
 enum class ErrorKind : int32_t { kNone = 0, kTimeout = 1, kRankMismatch = 2 };
 

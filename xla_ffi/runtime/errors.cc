@@ -27,6 +27,8 @@ const char* OpName(int32_t op) {
     case OpCode::kAllGatherMatmul: return "all_gather_matmul";
     case OpCode::kMatmulReduceScatter: return "matmul_reduce_scatter";
     case OpCode::kMatmulAllReduce: return "matmul_all_reduce";
+    case OpCode::kMoeAllGatherGroupedMatmul: return "all_gather_grouped_matmul";
+    case OpCode::kMoeGroupedMatmulReduceScatter: return "grouped_matmul_reduce_scatter";
   }
   return "op";
 }
