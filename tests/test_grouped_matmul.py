@@ -322,9 +322,89 @@ def test_operand_dtype(name, dtype):
     trace(x, w, arr((2,), jnp.int32))
 
 
-def test_fp8_operand_refused():
-  with pytest.raises(TypeError, match=r"x.dtype=float8_e4m3fn: FP8.*Dequantize x"):
+def test_one_fp8_operand_refused():
+  with pytest.raises(TypeError, match=r"x is FP8 and w is not.*quantize w to FP8 as well"):
     trace(arr((8, 4), jnp.float8_e4m3fn), arr((2, 4, 3)), arr((2,), jnp.int32))
+
+
+# --- FP8 ----------------------------------------------------------------------------------------
+
+def fp8_operands(seed, m, k, n, groups, transpose_w, per_row):
+  """e4m3 x [m, k], w ([G, n, k] with transpose_w, else [G, k, n]), float32 scales (per row and
+  per expert column, or per tensor), and group sizes summing to less than m (rows past the sum
+  and an empty group)."""
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((m, k)) * 2, jnp.float8_e4m3fn)
+  w_shape = (groups, n, k) if transpose_w else (groups, k, n)
+  w = jnp.asarray(rng.standard_normal(w_shape), jnp.float8_e4m3fn)
+  if per_row:
+    xs = rng.uniform(0.01, 0.1, (m, 1)).astype(np.float32)
+    ws = rng.uniform(0.01, 0.1, (groups, 1, n)).astype(np.float32)
+  else:
+    xs, ws = np.float32(0.05), np.float32(0.02)
+  sizes = rng.multinomial(m - 3, np.ones(groups) / groups).astype(np.int32)
+  sizes[1] = 0
+  sizes[0] += (m - 3) - sizes.sum()
+  return x, w, jnp.asarray(sizes), jnp.asarray(xs), jnp.asarray(ws)
+
+
+def fp8_reference(x, w, sizes, xs, ws, transpose_w):
+  """float64 NumPy, group by group, from the dequantized operands."""
+  x64 = np.asarray(x.astype(jnp.float32), np.float64) * np.asarray(xs, np.float64)
+  w64 = np.asarray(w.astype(jnp.float32), np.float64)
+  if transpose_w:
+    w64 = w64.transpose(0, 2, 1)
+  w64 = w64 * np.broadcast_to(np.asarray(ws, np.float64), (w64.shape[0], 1, w64.shape[2]))
+  y = np.zeros((x.shape[0], w64.shape[2]))
+  start = 0
+  for g, size in enumerate(np.asarray(sizes)):
+    y[start:start + size] = x64[start:start + size] @ w64[g]
+    start += size
+  return y
+
+
+@pytest.mark.parametrize("transpose_w", [False, True])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_fp8_matches_dequantized_reference(transpose_w, per_row):
+  x, w, sizes, xs, ws = fp8_operands(3, 40, 32, 24, 4, transpose_w, per_row)
+  y = jax.jit(lambda *a: grouped_matmul(*a[:3], x_scale=a[3], w_scale=a[4], impl="xla",
+                                        transpose_w=transpose_w))(x, w, sizes, xs, ws)
+  assert y.dtype == jnp.bfloat16 and y.shape == (40, 24)
+  want = fp8_reference(x, w, sizes, xs, ws, transpose_w)
+  np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2e-2, atol=2e-2)
+  assert not np.asarray(y[int(sizes.sum()):], np.float32).any()  # rows past the sum
+
+
+def test_fp8_is_forward_only():
+  x, w, sizes, xs, ws = fp8_operands(4, 16, 16, 8, 2, True, False)
+  loss = lambda w: jnp.sum(grouped_matmul(  # noqa: E731
+      x, w, sizes, x_scale=xs, w_scale=ws, transpose_w=True).astype(jnp.float32))
+  with pytest.raises(TypeError, match=r"grouped_matmul: an FP8 call .* is forward-only"):
+    jax.grad(loss)(w)
+
+
+@pytest.mark.parametrize("x_scale,w_scale,error,match", [
+    (None, np.float32(1), TypeError, r"x is FP8 \(float8_e4m3fn\) and needs x_scale"),
+    (np.float32(1), np.ones((2, 8), np.float32), ValueError,
+     r"w_scale has shape \(2, 8\).*\(G, 1, N\), one per output column"),
+    (np.ones((16,), np.float32), np.float32(1), ValueError, r"x_scale has shape \(16,\)"),
+])
+def test_fp8_scale_errors(x_scale, w_scale, error, match):
+  x, w, sizes, _, _ = fp8_operands(5, 16, 16, 8, 2, True, False)
+  with pytest.raises(error, match=match):
+    grouped_matmul(x, w, sizes, x_scale=x_scale, w_scale=w_scale, transpose_w=True)
+
+
+def test_scale_without_fp8_refused():
+  with pytest.raises(TypeError, match=r"x_scale was given, but .* are not FP8"):
+    trace(arr((8, 4)), arr((2, 4, 3)), arr((2,), jnp.int32), x_scale=np.float32(1))
+
+
+@pytest.mark.skipif(_platform.platform_reason() is None, reason="the kernel runs here")
+def test_fp8_fused_unavailable_here():
+  x, w, sizes, xs, ws = fp8_operands(6, 16, 16, 8, 2, True, False)
+  with pytest.raises(FusedKernelUnavailableError, match=r"grouped_matmul\(impl='fused'\)"):
+    grouped_matmul(x, w, sizes, x_scale=xs, w_scale=ws, transpose_w=True, impl="fused")
 
 
 def test_preferred_element_type_not_floating():

@@ -174,3 +174,54 @@ def test_gradients_under_shard_map(w_spec, loss_axes):
            for impl in ("fused", "xla")}
   for got, want in zip(grads["fused"], grads["xla"]):
     assert rel_err(got, want) <= 2e-2
+
+
+# (M, K, N, group sizes) of the FP8 forward: K a multiple of 16.
+FP8_CASES = [
+    pytest.param(300, 256, 384, (100, 0, 37, 163), id="odd-sizes-empty-middle"),
+    pytest.param(520, 128, 264, (200, 100), id="sum-below-m"),
+    pytest.param(4096, 1024, 512, (0,) * 7 + (1000, 3000) + (0,) * 7 + (96,), id="17-groups"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", tuning.GROUPED_TILES)
+@pytest.mark.parametrize("per_row", [False, True], ids=["per-tensor", "per-row-col"])
+@pytest.mark.parametrize("m,k,n,sizes", FP8_CASES)
+def test_fp8_forward_matches_float64(m, k, n, sizes, per_row, tile):
+  """e4m3 x and w [G, N, K], the scales in the kernel's epilogue, against float64 products of
+  the dequantized values (every element, through the relative Frobenius error), and rows past
+  the groups zero."""
+  g = len(sizes)
+  rng = np.random.default_rng(m + k + g)
+  x = jnp.asarray(rng.standard_normal((m, k)) * 2, jnp.float8_e4m3fn)
+  w = jnp.asarray(rng.standard_normal((g, n, k)), jnp.float8_e4m3fn)
+  if per_row:
+    xs = jnp.asarray(rng.uniform(0.01, 0.1, (m, 1)), jnp.float32)
+    ws = jnp.asarray(rng.uniform(0.01, 0.1, (g, 1, n)), jnp.float32)
+  else:
+    xs, ws = jnp.float32(0.05), jnp.float32(0.02)
+  gs = jnp.asarray(sizes, jnp.int32)
+  rows = jnp.broadcast_to(xs, (m, 1)).reshape(m)
+  cols = jnp.broadcast_to(ws, (g, 1, n)).reshape(g, n)
+  y = jax.jit(lambda *a: _grouped_kernel.forward_fp8(*a, tile))(x, w, gs, rows, cols)
+  assert y.dtype == jnp.bfloat16
+  x64 = np.asarray(x.astype(jnp.float32), np.float64) * np.asarray(xs, np.float64)
+  w64 = (np.asarray(w.astype(jnp.float32), np.float64).transpose(0, 2, 1)
+         * np.broadcast_to(np.asarray(ws, np.float64), (g, 1, n)))
+  total = sum(sizes)
+  want = np.zeros((m, n))
+  start = 0
+  for e, size in enumerate(sizes):
+    want[start:start + size] = x64[start:start + size] @ w64[e]
+    start += size
+  assert rel_err(y[:total], want[:total]) <= TOL[jnp.bfloat16]
+  assert not np.any(np.asarray(y[total:], np.float32)), "rows past the groups must be zero"
+  # The public op runs the kernel (impl="fused" and "auto") and agrees with its XLA path.
+  op = jax.jit(lambda *a, impl: grouped_matmul(*a[:3], x_scale=a[3], w_scale=a[4], impl=impl,
+                                               transpose_w=True), static_argnames="impl")
+  for impl in ("fused", "auto"):
+    assert "jaxflux_grouped_gemm" in op.lower(x, w, gs, xs, ws, impl=impl).as_text()
+  fused, ref = (op(x, w, gs, xs, ws, impl=impl) for impl in ("fused", "xla"))
+  assert rel_err(fused[:total], want[:total]) <= TOL[jnp.bfloat16]
+  assert rel_err(ref[:total], want[:total]) <= TOL[jnp.bfloat16]

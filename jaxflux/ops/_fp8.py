@@ -96,10 +96,10 @@ def scaled_matmul(x, w, x_scale_rows, w_scale_cols, *, precision=None, transpose
 
 # --- forward only ----------------------------------------------------------------------------
 
-def _forward_only(op: str, forward, *operands):
+def _forward_only(op: str, forward, *operands, message: str | None = None):
   """forward(*operands) as a custom_vjp whose backward raises: differentiating an FP8 call
-  fails at trace time with a TypeError naming the op and the layer recipe, instead of
-  differentiating through casts to FP8 with no scaling of the cotangent."""
+  fails at trace time with a TypeError naming the op and the layer recipe (or `message`),
+  instead of differentiating through casts to FP8 with no scaling of the cotangent."""
 
   @jax.custom_vjp
   def call(*operands):
@@ -110,7 +110,7 @@ def _forward_only(op: str, forward, *operands):
 
   def bwd(residuals, cotangent):
     del residuals, cotangent
-    raise TypeError(not_differentiable_message(op))
+    raise TypeError(message or not_differentiable_message(op))
 
   call.defvjp(fwd, bwd)
   return call(*operands)

@@ -24,16 +24,27 @@ _FORWARD, _WEIGHT_GRAD = 0, 1
 
 
 def _call(a, b, group_sizes, out_shape, *, kind: int, transpose_w: bool, group_rows: float,
-          tile: str | None):
+          tile: str | None, scales: tuple = (), out_dtype=None):
   _runtime.register_targets()
   if tile is None:
     tile = tuning.choose_grouped_matmul(group_rows=group_rows, n=out_shape[-1])
-  call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(out_shape, a.dtype))
-  out = call(a, b, group_sizes, kind=np.int64(kind), transpose_w=np.int64(transpose_w),
-             tile=np.int64(tuning.GROUPED_TILES.index(tile)))
+  call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(out_shape, out_dtype or a.dtype))
+  out = call(a, b, group_sizes, *scales, kind=np.int64(kind),
+             transpose_w=np.int64(transpose_w), tile=np.int64(tuning.GROUPED_TILES.index(tile)))
   # Inside shard_map the FFI result comes back unvarying; it varies as its operands do.
-  return _common.mark_varying(
-      out, _common.vma(a) | _common.vma(b) | _common.vma(group_sizes))
+  axes = _common.vma(a) | _common.vma(b) | _common.vma(group_sizes)
+  for s in scales:
+    axes |= _common.vma(s)
+  return _common.mark_varying(out, axes)
+
+
+def forward_fp8(x, w, group_sizes, row_scale, col_scale, tile: str | None = None):
+  """The FP8 forward: x [M, K] and w [G, N, K] float8_e4m3fn, row_scale [M] and col_scale
+  [G, N] float32 -> y [M, N] bfloat16, y[i] = (x[i] · w[g]ᵀ) · row_scale[i] · col_scale[g]."""
+  return _call(x, w, group_sizes, (x.shape[0], w.shape[1]), kind=_FORWARD, transpose_w=True,
+               group_rows=x.shape[0] / max(w.shape[0], 1), tile=tile,
+               scales=(row_scale.astype(jnp.float32), col_scale.astype(jnp.float32)),
+               out_dtype=jnp.bfloat16)
 
 
 def _forward(x, w, group_sizes, transpose_w: bool, tile: str | None):

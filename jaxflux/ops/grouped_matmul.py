@@ -19,19 +19,23 @@ without CUDA, other dtypes); impl="auto" then runs the XLA path.
 
 The op communicates nothing, so in expert parallelism it runs inside `jax.shard_map` on each
 device's own experts (w, group_sizes) and the rows routed to them (x).
+
+FP8 (x and w float8 with x_scale and w_scale, _grouped_fp8): forward-only, bfloat16 out by
+default; the kernel takes e4m3 x and w with w given [G, N, K] (transpose_w=True) and applies
+both scales in its epilogue.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
 
-from jaxflux.ops import _common, _grouped_kernel, _plan, _platform
+from jaxflux.ops import _common, _grouped_fp8, _grouped_kernel, _plan, _platform
 
 _OP = "grouped_matmul"
 
 
 def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", preferred_element_type=None,
-                   transpose_w: bool = False, precision=None):
+                   transpose_w: bool = False, precision=None, x_scale=None, w_scale=None):
   """Multiplies each group of rows of `x` by its group's weight in `w`.
 
   Equivalent to `jax.lax.ragged_dot(x, w, group_sizes)` (with transpose_w, to ragged_dot by
@@ -51,12 +55,25 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", preferred_element_t
     transpose_w: w is given K-major, [G, N, K]; the op multiplies by each w[g]ᵀ in place. A
       static Python bool.
     precision: `lax.Precision` for the XLA path, as in `lax.ragged_dot`.
+    x_scale: FP8 only: float32 dequantization scale of x, shape () or (1,) (per tensor) or
+      (M, 1) (per row).
+    w_scale: FP8 only: float32 dequantization scale of w, shape () or (1,) (per tensor) or
+      (G, 1, N) (per output column of each group's weight, whichever layout w has).
+
+  FP8: x and w each float8_e4m3fn or float8_e5m2 (both FP8 or neither), with both scales;
+  y[i] = (x[i].astype(f32) * x_scale[i]) @ (w[g].astype(f32) * w_scale[g]) in float32, cast to
+  preferred_element_type (default bfloat16). Forward-only: differentiating it raises a
+  TypeError. The kernel takes e4m3 x and w with w given [G, N, K] (transpose_w=True), K a
+  multiple of 16 and a bfloat16 output; impl="auto" takes it there, else XLA.
 
   Returns:
     y [M, N] in preferred_element_type; rows past sum(group_sizes) are zeros.
   """
   _plan.check_impl(_OP, impl)
   transpose_w = _plan._static_bool(_OP, "transpose_w", transpose_w)
+  if _plan._fp8_operands(_OP, x, w, x_scale, w_scale):
+    return _fp8_call(x, w, group_sizes, x_scale, w_scale, impl=impl, transpose_w=transpose_w,
+                     preferred_element_type=preferred_element_type, precision=precision)
   group_sizes = _check_operands(x, w, group_sizes, transpose_w)
   out_dtype = _out_dtype(x, w, preferred_element_type)
   if impl != "xla":
@@ -67,6 +84,24 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", preferred_element_t
       raise _common.FusedKernelUnavailableError(f"{_OP}(impl='fused'): {reason}")
   return lax.ragged_dot_general(x, w, group_sizes, _dimension_numbers(transpose_w),
                                 precision=precision, preferred_element_type=out_dtype)
+
+
+def _fp8_call(x, w, group_sizes, x_scale, w_scale, *, impl, transpose_w, preferred_element_type,
+              precision):
+  """The FP8 grouped matmul (_grouped_fp8), forward-only."""
+  group_sizes = _check_operands(x, w, group_sizes, transpose_w)
+  rows, cols = _grouped_fp8.scales(x, w, x_scale, w_scale, transpose_w)
+  out_dtype = _out_dtype(x, w, preferred_element_type or _common.FP8_OUT_DTYPE)
+  if impl != "xla":
+    reason = (_grouped_fp8.kernel_reason(x, w, out_dtype, transpose_w)
+              or _platform.platform_reason())
+    if reason is None:
+      return _grouped_fp8.forward_only(_grouped_fp8.kernel, x, w, group_sizes, rows, cols)
+    if impl == "fused":
+      raise _common.FusedKernelUnavailableError(f"{_OP}(impl='fused'): {reason}")
+  forward = lambda *a: _grouped_fp8.reference(  # noqa: E731
+      *a, out_dtype, transpose_w, _dimension_numbers(transpose_w), precision)
+  return _grouped_fp8.forward_only(forward, x, w, group_sizes, rows, cols)
 
 
 def _kernel_reason(x, w, out_dtype, transpose_w: bool) -> str | None:
@@ -85,8 +120,8 @@ def _dimension_numbers(transpose_w: bool) -> lax.RaggedDotDimensionNumbers:
 
 
 def _check_operands(x, w, group_sizes, transpose_w: bool):
-  """Ranks, contraction size and dtypes of x, w and group_sizes (static facts only); returns
-  group_sizes as int32."""
+  """Ranks, contraction size and dtypes of x, w and group_sizes (static facts only; FP8 pairs
+  and their scales are checked before); returns group_sizes as int32."""
   if jnp.ndim(x) != 2:
     raise ValueError(f"{_OP}: x must have rank 2 ([M, K], rows sorted by group); got shape "
                      f"{jnp.shape(x)}. Flatten the token axes, e.g. x.reshape(-1, x.shape[-1]).")
@@ -107,10 +142,6 @@ def _check_operands(x, w, group_sizes, transpose_w: bool):
     if not jnp.issubdtype(a.dtype, jnp.floating):
       raise TypeError(f"{_OP}: {name} must be a floating-point array; got dtype {a.dtype}. "
                       f"Cast it, e.g. {name}.astype(jnp.bfloat16).")
-    if _common.is_narrow_float(a.dtype):
-      # An FP8 operand means quantized values, which need scales this op does not take yet.
-      raise TypeError(f"{_OP}: {name}.dtype={a.dtype}: FP8 (1-byte float) operands are not "
-                      f"supported (no scales). Dequantize {name} to bfloat16 or float32.")
   if not hasattr(group_sizes, "dtype"):
     group_sizes = jnp.asarray(group_sizes)
   num_groups = w.shape[0]

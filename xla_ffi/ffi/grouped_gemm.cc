@@ -4,6 +4,9 @@
 //                         with transpose_w); rows past sum(group_sizes) are zeros.
 //   kind 1 (weight grad): d [G, k, n], d[g] = a[rows of g]ᵀ · b[rows of g], b [m, n]; an empty
 //                         group's d[g] is zeros.
+//   FP8 (kind 0, a and b e4m3, b [G, n, k] with transpose_w): two more operands, row_scale [m]
+//                         and col_scale [G, n] (float32); d bf16, d[i] = (a[i] · b[g]ᵀ) ·
+//                         row_scale[i] · col_scale[g] in fp32, rounded once.
 // `tile` is a GroupedGemmTiles, chosen by jaxflux/tuning.
 #include "xla_ffi/ffi/grouped_gemm.h"
 
@@ -40,13 +43,21 @@ ffi::Error CheckOperands(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S3
                          ffi::Result<ffi::AnyBuffer>& d, GroupedGemmKind kind,
                          bool b_kmajor, GemmDtype* dtype, GroupedGemmProblem* p) {
   const auto dt = a.element_type();
-  if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) {
-    return Invalid("a must be bfloat16 or float16");
-  }
-  if (b.element_type() != dt || d->element_type() != dt) {
+  if (dt == ffi::DataType::F8E4M3FN) {
+    if (b.element_type() != dt || d->element_type() != ffi::DataType::BF16) {
+      return Invalid("FP8: a and b must be float8_e4m3fn and the output bfloat16");
+    }
+    if (kind != GroupedGemmKind::kForward || !b_kmajor) {
+      return Invalid("FP8 runs the forward (kind 0) with b given [G, n, k] (transpose_w=1)");
+    }
+    *dtype = GemmDtype::kE4M3;
+  } else if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) {
+    return Invalid("a must be bfloat16, float16 or float8_e4m3fn");
+  } else if (b.element_type() != dt || d->element_type() != dt) {
     return Invalid("a, b and the output need one dtype");
+  } else {
+    *dtype = dt == ffi::DataType::BF16 ? GemmDtype::kBF16 : GemmDtype::kF16;
   }
-  *dtype = dt == ffi::DataType::BF16 ? GemmDtype::kBF16 : GemmDtype::kF16;
   const auto a_dims = a.dimensions(), b_dims = b.dimensions(), d_dims = d->dimensions();
   const auto g_dims = group_sizes.dimensions();
   if (g_dims.size() != 1) return Invalid("group_sizes must be [G]");
@@ -82,6 +93,10 @@ ffi::Error CheckOperands(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Buffer<ffi::S3
     return Invalid("k and n must be multiples of 8 (16-byte rows for TMA); got k=" +
                    std::to_string(k) + ", n=" + std::to_string(n));
   }
+  if (*dtype == GemmDtype::kE4M3 && k % 16) {  // one-byte elements
+    return Invalid("FP8: k must be a multiple of 16 (16-byte rows for TMA); got k=" +
+                   std::to_string(k));
+  }
   p->m = static_cast<int>(m);
   p->n = static_cast<int>(n);
   p->k = static_cast<int>(k);
@@ -105,10 +120,34 @@ ffi::Error ZeroOnly(cudaStream_t stream, const GroupedGemmProblem& p,
   return ffi::Error::Success();
 }
 
+// FP8's scales: row_scale [m] and col_scale [groups, n], float32; none for 16-bit types.
+ffi::Error ReadScales(ffi::RemainingArgs scales, GemmDtype dtype, GroupedGemmProblem* p) {
+  const bool fp8 = dtype == GemmDtype::kE4M3;
+  if (scales.size() != (fp8 ? 2u : 0u)) {
+    return Invalid(fp8 ? "FP8 takes two scale operands, row_scale [m] and col_scale [G, n]"
+                       : "scale operands apply to FP8 operands only");
+  }
+  if (!fp8) return ffi::Error::Success();
+  auto row = scales.get<ffi::AnyBuffer>(0);
+  auto col = scales.get<ffi::AnyBuffer>(1);
+  if (row.has_error() || col.has_error()) return Invalid("could not read the scale operands");
+  if (row->element_type() != ffi::DataType::F32 || col->element_type() != ffi::DataType::F32 ||
+      row->element_count() != static_cast<size_t>(p->m) ||
+      col->element_count() != static_cast<size_t>(p->groups) * p->n) {
+    return Invalid("FP8 scales must be float32 row_scale [m] = [" + std::to_string(p->m) +
+                   "] and col_scale [G, n] = [" + std::to_string(p->groups) + ", " +
+                   std::to_string(p->n) + "]");
+  }
+  p->row_scale = static_cast<const float*>(row->untyped_data());
+  p->col_scale = static_cast<const float*>(col->untyped_data());
+  return ffi::Error::Success();
+}
+
 ffi::Error GroupedGemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
                               ffi::AnyBuffer a, ffi::AnyBuffer b,
-                              ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> d,
-                              int64_t kind, int64_t transpose_w, int64_t tile) {
+                              ffi::Buffer<ffi::S32> group_sizes, ffi::RemainingArgs scales,
+                              ffi::Result<ffi::AnyBuffer> d, int64_t kind, int64_t transpose_w,
+                              int64_t tile) {
   JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "kind", kind, {0, 1}));
   JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "transpose_w", transpose_w, {0, 1}));
   JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "tile", tile, {0, 1}));
@@ -120,6 +159,7 @@ ffi::Error GroupedGemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchA
   GemmDtype dtype = GemmDtype::kBF16;
   JAXFLUX_RETURN_IF_ERROR(CheckOperands(a, b, group_sizes, d, problem.kind, problem.b_kmajor,
                                         &dtype, &problem));
+  JAXFLUX_RETURN_IF_ERROR(ReadScales(scales, dtype, &problem));
   bool done = false;
   JAXFLUX_RETURN_IF_ERROR(ZeroOnly(stream, problem, d, &done));
   if (done) return ffi::Error::Success();
@@ -151,6 +191,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::AnyBuffer>()                     // a: [m, k], rows sorted by group
         .Arg<xla::ffi::AnyBuffer>()                     // b: [G, k, n] / [G, n, k]; kind 1 [m, n]
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes: [G]
+        .RemainingArgs()                                // FP8: row_scale [m], col_scale [G, n]
         .Ret<xla::ffi::AnyBuffer>()                     // d: [m, n]; kind 1 [G, k, n]
         .Attr<int64_t>("kind")                          // 0 forward, 1 weight gradient
         .Attr<int64_t>("transpose_w")                   // kind 0: 1 b is [G, n, k]

@@ -126,7 +126,8 @@ def _swap_ab_instances() -> list[Instance]:
 
 
 def _grouped_instances() -> list[Instance]:
-  """The grouped GEMM: each 16-bit type, operand layout and tile config."""
+  """The grouped GEMM: each 16-bit type, operand layout and tile config; the FP8 forward with
+  each tile config."""
   out = []
   for dtype, element in DTYPES.items():
     for operands_name, operands in GROUPED_OPERANDS.items():
@@ -137,6 +138,13 @@ def _grouped_instances() -> list[Instance]:
             "(grouped_gemm_sm90.cuh).\n"
             '#include "xla_ffi/kernels/grouped_gemm_sm90.cuh"\n\n'
             f"JAXFLUX_GROUPED_GEMM_INSTANCE({name}, {element}, {operands}, {tiles})\n")))
+  for tiles_name, tiles in GROUPED_TILES.items():  # the FP8 forward: e4m3, the weight K-major
+    name = f"e4m3_kmajor_{tiles_name}"
+    out.append(Instance("grouped_gemm_sm90", name, (
+        f"{HEADER}// The grouped GEMM, FP8 e4m3 forward, kmajor, {tiles_name} "
+        "(grouped_gemm_sm90.cuh).\n"
+        '#include "xla_ffi/kernels/grouped_gemm_sm90.cuh"\n\n'
+        f"JAXFLUX_GROUPED_GEMM_FP8_INSTANCE({name}, {tiles})\n")))
   return out
 
 

@@ -12,6 +12,7 @@
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/dispatch_policy.hpp"
@@ -23,18 +24,25 @@
 
 namespace jaxflux::grouped_gemm_sm90 {
 
+namespace fusion_ns = cutlass::epilogue::fusion;
+
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // M, N, K
 using GroupShape = ProblemShape::UnderlyingProblemShape;
 
-// A tile config of the ptr-array kernels: CTA tile (K step 64: 128-byte rows of 16-bit
-// elements), cluster, and the warp-specialized schedule.
+// A tile config of the ptr-array kernels: CTA tile (K step of 128 bytes: 64 16-bit elements,
+// Fp8Tile 128 one-byte ones), cluster, and the warp-specialized schedule (FP8: fast
+// accumulation, as the dense FP8 kernels).
 template <int kTileM, int kTileN, int kClusterM, int kClusterN, bool kPingpong>
 struct Tiles {
   using Tile = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::_64>;
+  using Fp8Tile = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::_128>;
   using Cluster = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
   using MainloopSchedule =
       std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using Fp8MainloopSchedule = std::conditional_t<
+      kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum>;
   using EpilogueSchedule =
       std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
                          cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
@@ -67,7 +75,11 @@ struct WeightGrad {
 
 template <class Element_, class Operands, class T>
 struct Config {
+  static constexpr bool kFp8 = false;
   using Element = Element_;
+  using ElementA = Element;
+  using ElementB = Element;
+  using ElementD = Element;
   static constexpr GroupedGemmKind kKind = Operands::kKind;
   static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte accesses
 
@@ -93,46 +105,98 @@ struct Config {
   using StrideD = typename Kernel::InternalStrideD;
 };
 
+// The FP8 forward: A e4m3 row-major, B e4m3 K-major, D bf16 = (A·B) · row scale · column
+// scale in the epilogue, each group's scale vectors reached through pointer arrays (the setup
+// kernel points them at the group's rows and its expert's columns).
+template <class T>
+struct Fp8Config {
+  static constexpr bool kFp8 = true;
+  using ElementA = cutlass::float_e4m3_t;
+  using ElementB = cutlass::float_e4m3_t;
+  using ElementD = cutlass::bfloat16_t;
+  static constexpr GroupedGemmKind kKind = GroupedGemmKind::kForward;
+  static constexpr int kAlignAB = 16;  // 16-byte accesses of one-byte elements
+  static constexpr int kAlignD = 8;
+  using Tile = typename T::Fp8Tile;
+
+  static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
+  // One scale per row of A (any row count: alignment 1), one per column of B[g].
+  using RowScale = fusion_ns::Sm90ColBroadcast<0, Tile, float*, float,
+                                               cute::Stride<cute::_1, cute::_0, int64_t>, 1>;
+  using ColScale = fusion_ns::Sm90RowBroadcast<0, Tile, float*, float,
+                                               cute::Stride<cute::_0, cute::_1, int64_t>, 4>;
+  using AccTimesRow =
+      fusion_ns::Sm90EVT<fusion_ns::Sm90Compute<cutlass::multiplies, float, float, kRound>,
+                         fusion_ns::Sm90AccFetch, RowScale>;
+  using Callbacks =
+      fusion_ns::Sm90EVT<fusion_ns::Sm90Compute<cutlass::multiplies, ElementD, float, kRound>,
+                         AccTimesRow, ColScale>;
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, typename T::Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, RowMajor*, kAlignD,
+      ElementD, RowMajor*, kAlignD, typename T::EpilogueSchedule, Callbacks>::CollectiveOp;
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, RowMajor*, kAlignAB,
+      ElementB, ColumnMajor*, kAlignAB, float, Tile, typename T::Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      typename T::Fp8MainloopSchedule>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+};
+
 // The per-group arguments CUTLASS reads on the device, carved from the call's scratch, each
-// array 128-byte aligned; CUTLASS's own workspace (its tensor maps) follows.
+// array 128-byte aligned; CUTLASS's own workspace (its tensor maps) follows. FP8 configs also
+// carry each group's scale vectors.
 template <class C>
 struct GroupArrays {
-  using E = typename C::Element;
   GroupShape* shapes;
-  const E** a;
-  const E** b;
-  E** d;
+  const typename C::ElementA** a;
+  const typename C::ElementB** b;
+  typename C::ElementD** d;
   typename C::StrideA* stride_a;
   typename C::StrideB* stride_b;
   typename C::StrideD* stride_d;
+  const float** row_scale;  // FP8 only (else nullptr)
+  const float** col_scale;
   void* cutlass_workspace;
 
   static size_t Aligned(size_t bytes) { return (bytes + 127) / 128 * 128; }
 
+  // What Carve lays out, up to CUTLASS's workspace.
   static size_t Bytes(int groups) {
-    const size_t g = static_cast<size_t>(groups);
-    return Aligned(g * sizeof(GroupShape)) + 3 * Aligned(g * sizeof(void*)) +
-           Aligned(g * sizeof(typename C::StrideA)) + Aligned(g * sizeof(typename C::StrideB)) +
-           Aligned(g * sizeof(typename C::StrideD));
+    return reinterpret_cast<uintptr_t>(Carve(nullptr, groups).cutlass_workspace);
   }
 
   static GroupArrays Carve(void* workspace, int groups) {
     const size_t g = static_cast<size_t>(groups);
-    char* p = static_cast<char*>(workspace);
+    uintptr_t p = reinterpret_cast<uintptr_t>(workspace);  // integers: Bytes carves from 0
     auto take = [&](size_t bytes) {
-      char* here = p;
+      char* here = reinterpret_cast<char*>(p);
       p += Aligned(bytes);
       return here;
     };
     GroupArrays out;
     out.shapes = reinterpret_cast<GroupShape*>(take(g * sizeof(GroupShape)));
-    out.a = reinterpret_cast<const E**>(take(g * sizeof(void*)));
-    out.b = reinterpret_cast<const E**>(take(g * sizeof(void*)));
-    out.d = reinterpret_cast<E**>(take(g * sizeof(void*)));
+    out.a = reinterpret_cast<const typename C::ElementA**>(take(g * sizeof(void*)));
+    out.b = reinterpret_cast<const typename C::ElementB**>(take(g * sizeof(void*)));
+    out.d = reinterpret_cast<typename C::ElementD**>(take(g * sizeof(void*)));
     out.stride_a = reinterpret_cast<typename C::StrideA*>(take(g * sizeof(typename C::StrideA)));
     out.stride_b = reinterpret_cast<typename C::StrideB*>(take(g * sizeof(typename C::StrideB)));
     out.stride_d = reinterpret_cast<typename C::StrideD*>(take(g * sizeof(typename C::StrideD)));
-    out.cutlass_workspace = p;
+    out.row_scale = nullptr;
+    out.col_scale = nullptr;
+    if constexpr (C::kFp8) {
+      out.row_scale = reinterpret_cast<const float**>(take(g * sizeof(void*)));
+      out.col_scale = reinterpret_cast<const float**>(take(g * sizeof(void*)));
+    }
+    out.cutlass_workspace = reinterpret_cast<void*>(p);
     return out;
   }
 };
@@ -166,10 +230,9 @@ struct GroupStrides {
 template <class C>
 __global__ void SetUpGroups(GroupedGemmProblem p, GroupArrays<C> arrays, GroupStrides<C> strides,
                             int* total_rows) {
-  using E = typename C::Element;
-  const E* a = static_cast<const E*>(p.a);
-  const E* b = static_cast<const E*>(p.b);
-  E* d = static_cast<E*>(p.d);
+  const auto* a = static_cast<const typename C::ElementA*>(p.a);
+  const auto* b = static_cast<const typename C::ElementB*>(p.b);
+  auto* d = static_cast<typename C::ElementD*>(p.d);
   for (int g = threadIdx.x; g < p.groups; g += blockDim.x) {
     int64_t start = 0;
     for (int j = 0; j < g; ++j) start += max(p.group_sizes[j], 0);
@@ -182,6 +245,10 @@ __global__ void SetUpGroups(GroupedGemmProblem p, GroupArrays<C> arrays, GroupSt
       arrays.a[g] = a + start * p.k;
       arrays.b[g] = b + group * p.k * p.n;
       arrays.d[g] = d + start * p.n;
+      if constexpr (C::kFp8) {
+        arrays.row_scale[g] = p.row_scale + start;
+        arrays.col_scale[g] = p.col_scale + group * p.n;
+      }
     } else {
       arrays.shapes[g] = GroupShape{rows > 0 ? p.k : 0, p.n, rows};
       arrays.a[g] = a + start * p.k;
@@ -232,8 +299,15 @@ typename C::Gemm::Arguments MakeArguments(const GroupedGemmProblem& p,
       {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b},
       {{}, nullptr, arrays.stride_d, arrays.d, arrays.stride_d},
       hw};
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
+  if constexpr (C::kFp8) {
+    // Batch stride 0: each group's vector is its own pointer.
+    typename C::RowScale::Arguments row{arrays.row_scale, 0.0f, {cute::_1{}, cute::_0{}, 0}};
+    typename C::ColScale::Arguments col{arrays.col_scale, 0.0f, {cute::_0{}, cute::_1{}, 0}};
+    args.epilogue.thread = {{{}, row, {}}, col, {}};
+  } else {
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = 0.0f;
+  }
   return args;
 }
 
@@ -253,6 +327,12 @@ size_t WorkspaceBytes(const GroupedGemmProblem& p) {
 
 template <class C>
 const char* Run(const GroupedGemmProblem& p, void* workspace, cudaStream_t stream) {
+  if constexpr (C::kFp8) {
+    if (p.row_scale == nullptr || p.col_scale == nullptr) {
+      return "FP8 grouped GEMM without its row and column scales";
+    }
+    if (!p.b_kmajor) return "FP8 grouped GEMM needs B given [groups, n, k] (K-major)";
+  }
   GroupArrays<C> arrays = GroupArrays<C>::Carve(workspace, p.groups);
   int* total_rows = reinterpret_cast<int*>(arrays.cutlass_workspace);
   arrays.cutlass_workspace = static_cast<char*>(arrays.cutlass_workspace) + kTotalRowsBytes;
@@ -260,7 +340,7 @@ const char* Run(const GroupedGemmProblem& p, void* workspace, cudaStream_t strea
   SetUpGroups<C><<<1, kSetupThreads, 0, stream>>>(p, arrays, GroupStrides<C>::For(p),
                                                   total_rows);
   const int sms = std::max(SmCount(p.device), 1);
-  constexpr int64_t kElementsPerWord = 16 / sizeof(typename C::Element);
+  constexpr int64_t kElementsPerWord = 16 / sizeof(typename C::ElementD);
   if constexpr (C::kKind == GroupedGemmKind::kForward) {
     ZeroRowsPast<<<sms, kZeroThreads, 0, stream>>>(static_cast<uint4*>(p.d), total_rows, p.m,
                                                    p.n / kElementsPerWord);
@@ -286,6 +366,21 @@ const char* Run(const GroupedGemmProblem& p, void* workspace, cudaStream_t strea
 }
 
 }  // namespace jaxflux::grouped_gemm_sm90
+
+// Defines the entry points of the FP8 forward (e4m3, B K-major) with one tile config; NAME is
+// e4m3_kmajor_<tiles>.
+#define JAXFLUX_GROUPED_GEMM_FP8_INSTANCE(NAME, TILES)                                      \
+  namespace jaxflux {                                                                       \
+  size_t GroupedGemmWorkspaceBytes_##NAME(const GroupedGemmProblem& problem) {              \
+    using C = grouped_gemm_sm90::Fp8Config<grouped_gemm_sm90::TILES>;                       \
+    return grouped_gemm_sm90::WorkspaceBytes<C>(problem);                                   \
+  }                                                                                         \
+  const char* GroupedGemmRun_##NAME(const GroupedGemmProblem& problem, void* workspace,     \
+                                    cudaStream_t stream) {                                  \
+    using C = grouped_gemm_sm90::Fp8Config<grouped_gemm_sm90::TILES>;                       \
+    return grouped_gemm_sm90::Run<C>(problem, workspace, stream);                           \
+  }                                                                                         \
+  }  // namespace jaxflux
 
 // Defines the entry points of one (element type, operand layouts, tile config); NAME is
 // <dtype>_<layouts>_<tiles>, listed in grouped_gemm_sm90_dispatch.cu.

@@ -9,6 +9,9 @@
 //                                                        rows past sum(group_sizes) are zeroed.
 //   kWeightGrad: D[g] = A[rows of g]ᵀ · B[rows of g]     A [m, k], B [m, n], D [groups, k, n];
 //                                                        an empty group's D[g] is zeroed.
+//   FP8 (kForward, GemmDtype::kE4M3): A and B e4m3, B K-major [groups, n, k], D bf16:
+//                D[i, j] = (A[i] · B[g][j]) · row_scale[i] · col_scale[g, j] in fp32, rounded
+//                once (the scales in CUTLASS's epilogue).
 //
 // Group sizes are clamped as the kernels read them: negative sizes count as 0, and groups past
 // row m get only the rows that are left, so no size can make a kernel read or write out of
@@ -46,6 +49,8 @@ struct GroupedGemmProblem {
   GroupedGemmKind kind = GroupedGemmKind::kForward;
   GroupedGemmTiles tiles = GroupedGemmTiles::kCooperative128x256;
   int device = 0;              // CUDA ordinal (SM count of the persistent grid)
+  const float* row_scale = nullptr;  // FP8: [m], one per row of A
+  const float* col_scale = nullptr;  // FP8: [groups, n], one per column of each B[g]
 };
 
 // Bytes of scratch the call needs: the per-group arguments and CUTLASS's tensor maps.

@@ -21,6 +21,8 @@ JAXFLUX_DECLARE_GROUPED_GEMM(f16_kmajor_cooperative_128x256)
 JAXFLUX_DECLARE_GROUPED_GEMM(f16_kmajor_pingpong_128x128)
 JAXFLUX_DECLARE_GROUPED_GEMM(f16_wgrad_cooperative_128x256)
 JAXFLUX_DECLARE_GROUPED_GEMM(f16_wgrad_pingpong_128x128)
+JAXFLUX_DECLARE_GROUPED_GEMM(e4m3_kmajor_cooperative_128x256)
+JAXFLUX_DECLARE_GROUPED_GEMM(e4m3_kmajor_pingpong_128x128)
 #undef JAXFLUX_DECLARE_GROUPED_GEMM
 
 namespace {
@@ -49,13 +51,23 @@ constexpr Entry kTable[2][3][kGroupedGemmNumTiles] = {
      {JAXFLUX_GROUPED_GEMM_ENTRY(f16_wgrad_cooperative_128x256),
       JAXFLUX_GROUPED_GEMM_ENTRY(f16_wgrad_pingpong_128x128)}}};
 
+// FP8 (e4m3): the forward with the weight K-major only, [GroupedGemmTiles].
+constexpr Entry kFp8Table[kGroupedGemmNumTiles] = {
+    JAXFLUX_GROUPED_GEMM_ENTRY(e4m3_kmajor_cooperative_128x256),
+    JAXFLUX_GROUPED_GEMM_ENTRY(e4m3_kmajor_pingpong_128x128)};
+
 #undef JAXFLUX_GROUPED_GEMM_ENTRY
 
-// nullptr for a dtype or tile config with no kernel (FP8 is not built).
+// nullptr for a dtype, layout or tile config with no kernel.
 const Entry* Lookup(GemmDtype dtype, const GroupedGemmProblem& problem) {
   const int d = static_cast<int>(dtype);
   const int tiles = static_cast<int>(problem.tiles);
-  if (d < 0 || d >= 2 || tiles < 0 || tiles >= kGroupedGemmNumTiles) return nullptr;
+  if (tiles < 0 || tiles >= kGroupedGemmNumTiles) return nullptr;
+  if (dtype == GemmDtype::kE4M3) {
+    const bool built = problem.kind == GroupedGemmKind::kForward && problem.b_kmajor;
+    return built ? &kFp8Table[tiles] : nullptr;
+  }
+  if (d < 0 || d >= 2) return nullptr;
   const int operands = problem.kind == GroupedGemmKind::kWeightGrad ? 2
                        : problem.b_kmajor                          ? 1
                                                                    : 0;
@@ -72,7 +84,10 @@ size_t GroupedGemmSm90WorkspaceBytes(GemmDtype dtype, const GroupedGemmProblem& 
 const char* GroupedGemmSm90(GemmDtype dtype, const GroupedGemmProblem& problem, void* workspace,
                             cudaStream_t stream) {
   const Entry* entry = Lookup(dtype, problem);
-  if (entry == nullptr) return "no grouped GEMM for this dtype or tile config (bf16, fp16 only)";
+  if (entry == nullptr) {
+    return "no grouped GEMM for this dtype, layout or tile config (bf16, fp16; e4m3 forward "
+           "with the weight K-major)";
+  }
   return entry->run(problem, workspace, stream);
 }
 
