@@ -1,4 +1,5 @@
-"""Benchmark harness: `python -m jaxflux.bench --op {all_gather,ag_gemm,gemm_rs,gemm,grouped_gemm}`.
+"""Benchmark harness: `python -m jaxflux.bench --op OP`, OP one of all_gather, ag_gemm, gemm_rs,
+gemm, grouped_gemm, moe.
 
 Times every variant of one op side by side in one process, on fresh random data, over a 1-D
 mesh ('tp',) of the local devices, and writes a JSON record (command, machine, versions, one row
@@ -24,7 +25,10 @@ For --op all_gather: `xla` is lax.all_gather and `jaxflux` the internal copy-eng
 (jaxflux.ops.all_gather.all_gather(x, axis_name, impl="fused")). --op gemm is the single-device
 GEMM table (jaxflux/bench/gemm_table.py); with --dtype float8_e4m3fn or float8_e5m2 the FP8 one
 (jaxflux/bench/fp8_table.py). --op grouped_gemm is the MoE grouped GEMM on one device against
-lax.ragged_dot and a dense GEMM of the same FLOPs (jaxflux/bench/grouped_table.py).
+lax.ragged_dot and a dense GEMM of the same FLOPs (jaxflux/bench/grouped_table.py). --op moe is
+the train step (forward + backward) of the MoE layer jaxflux.MoE on one device, impl="fused"
+against impl="xla" (lax.ragged_dot), with their losses and gradients compared
+(jaxflux/bench/moe_table.py).
 
 Timing (timing.py): on GPU the GPUs' own clocks around queued calls (`--timing device`) or the
 host's (`dispatch`); elsewhere one jitted program runs the op `--iters` times in a

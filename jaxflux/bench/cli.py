@@ -12,12 +12,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxflux.bench import device_clock, grouped_table, processes
+from jaxflux.bench import device_clock, grouped_table, moe_table, processes
 from jaxflux.bench.config import (CHILD_MARKER, DEFAULT_VARIANTS, DEFINITIONS, EXTRA_VARIANTS,
                                   FP8_DTYPES, FP8_GEMM_VARIANTS, GEMM_FAMILIES,
                                   GEMM_VARIANTS, GROUPED_BACKWARD, GROUPED_FORWARD,
-                                  GROUPED_VARIANTS, OP_VARIANTS, OPS, ROUTINGS, WINDOWED_FLAGS,
-                                  repo_root)
+                                  GROUPED_VARIANTS, MOE_VARIANTS, OP_VARIANTS, OPS, ROUTINGS,
+                                  WINDOWED_FLAGS, repo_root)
 from jaxflux.bench.gemm_table import format_gemm_table, summarize_table
 from jaxflux.bench.inputs import make_mesh
 from jaxflux.bench.machine import provenance
@@ -61,7 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  help="comma-separated shape names from the shapes file (default: all)")
   p.add_argument("--M", type=_csv(int), default=None,
                  help="comma-separated global token counts (default: the shapes file's M list; "
-                      "--op gemm: 2048,4096,8192,16384; --op grouped_gemm: 16384 routed rows)")
+                      "--op gemm: 2048,4096,8192,16384; --op grouped_gemm: 16384 routed rows; "
+                      "--op moe: 4096 tokens)")
   p.add_argument("--of", type=_csv(str), default=None,
                  help=f"--op gemm only: row families, any of {','.join(GEMM_FAMILIES)} "
                       "(default all; gemm_ar's default M: 1,8,32,128,512,2048,8192)")
@@ -93,7 +94,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       f"(default {','.join(DEFAULT_VARIANTS)}); --op gemm: any of "
                       f"{GEMM_VARIANTS} (default all); --op grouped_gemm: any of "
                       f"{GROUPED_VARIANTS} (default {','.join(GROUPED_FORWARD)}, and the "
-                      "backward ones with --backward)")
+                      f"backward ones with --backward); --op moe: any of {MOE_VARIANTS} "
+                      "(default both)")
   p.add_argument("--timing", choices=("auto", "loop", "dispatch", "device"), default="auto",
                  help="loop: calls chained in one jitted fori_loop; dispatch: Python loop of "
                       "async jitted calls, one sync; device (GPU): dispatch's calls timed by "
@@ -138,12 +140,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   if fp8 and args.op != "gemm":
     p.error(f"--dtype {args.dtype} applies to --op gemm (the FP8 GEMM-only table) only")
   gemm_variants = FP8_GEMM_VARIANTS if fp8 else GEMM_VARIANTS
-  known = {"gemm": gemm_variants, "grouped_gemm": GROUPED_VARIANTS}.get(
+  known = {"gemm": gemm_variants, "grouped_gemm": GROUPED_VARIANTS, "moe": MOE_VARIANTS}.get(
       args.op, DEFAULT_VARIANTS + EXTRA_VARIANTS)
   if args.variants is None:
-    args.variants = list({"gemm": gemm_variants, "grouped_gemm": GROUPED_FORWARD}.get(
-        args.op, DEFAULT_VARIANTS))
+    args.variants = list({"gemm": gemm_variants, "grouped_gemm": GROUPED_FORWARD,
+                          "moe": MOE_VARIANTS}.get(args.op, DEFAULT_VARIANTS))
   _check_grouped_args(p, args)
+  _check_moe_args(p, args)
   unknown = [v for v in args.variants if v not in known]
   if unknown:
     kind = f" with --dtype {args.dtype}" if args.op == "gemm" else ""
@@ -178,15 +181,31 @@ def _check_grouped_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
     args.variants = list(dict.fromkeys(args.variants + list(GROUPED_BACKWARD)))
 
 
+def _check_moe_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """--op moe: one device, a floating --dtype."""
+  if args.op != "moe":
+    return
+  if args.tp not in (None, 1):
+    p.error("--op moe runs on one device: --tp must be 1 or left out")
+  if not jnp.issubdtype(args.dtype, jnp.floating):
+    p.error(f"--op moe: --dtype {args.dtype} is not a floating dtype")
+
+
+def _describe(row) -> str:
+  if row.op == "moe":
+    return row.describe()
+  experts = f" G={row.experts} {row.routing}" if row.op == "grouped_gemm" else ""
+  return (f"{row.op} {row.name} M={row.M} K={row.K} N={row.N}{experts} tp={row.tp} "
+          f"{row.dtype}")
+
+
 def _bench_rows(args, rows, mesh, variants, result, out_path, child, want_windowed, log):
   """Measures the rows in order, adding each record to `result` (and writing it out)."""
   for i, row in enumerate(rows):
-    grouped = row.op == "grouped_gemm"
-    experts = f" G={row.experts} {row.routing}" if grouped else ""
-    log(f"[bench] row {i + 1}/{len(rows)}: {row.op} {row.name} M={row.M} K={row.K} N={row.N}"
-        f"{experts} tp={row.tp} {row.dtype}", flush=True)
-    record = (grouped_table.bench_row if grouped else bench_row)(row, mesh, variants, args,
-                                                                 log=log)
+    log(f"[bench] row {i + 1}/{len(rows)}: {_describe(row)}", flush=True)
+    measure = {"grouped_gemm": grouped_table.bench_row, "moe": moe_table.bench_row}.get(
+        row.op, bench_row)
+    record = measure(row, mesh, variants, args, log=log)
     record["key"] = row.key()
     if want_windowed:
       merge_windowed(record, child)
@@ -194,8 +213,10 @@ def _bench_rows(args, rows, mesh, variants, result, out_path, child, want_window
     result["rows"].append(record)
     if row.op == "gemm":
       result["summary"] = summarize_table(result["rows"])
-    elif grouped:
+    elif row.op == "grouped_gemm":
       result["summary"] = grouped_table.summarize_table(result["rows"])
+    elif row.op == "moe":
+      result["summary"] = moe_table.summarize_table(result["rows"])
     log("        " + _row_summary(record), flush=True)
     # Written after every row so that a run cut short keeps what it measured.
     if processes.is_leader():
@@ -240,13 +261,15 @@ def run(argv: list[str] | None = None, log=print) -> dict:
 
   if args.op == "gemm":  # one device, the per-device GEMMs of a tp group
     mesh, tp = make_mesh(1), args.tp or 2
-  elif args.op == "grouped_gemm":  # one device: the op communicates nothing
+  elif args.op in ("grouped_gemm", "moe"):  # one device: the op communicates nothing
     mesh, tp = make_mesh(1), 1
   else:
     mesh = make_mesh(args.tp or len(jax.devices()))
     tp = mesh.devices.size
-  rows = (grouped_table.build_rows(args, shapes) if args.op == "grouped_gemm"
-          else build_rows(args, shapes, tp))
+  if args.op in ("grouped_gemm", "moe"):
+    rows = {"grouped_gemm": grouped_table, "moe": moe_table}[args.op].build_rows(args, shapes)
+  else:
+    rows = build_rows(args, shapes, tp)
   platform = jax.default_backend()
   result: dict[str, Any] = {
       **provenance("python -m jaxflux.bench", argv, stamp),
@@ -268,6 +291,7 @@ def run(argv: list[str] | None = None, log=print) -> dict:
                                 "output's columns"}} if args.dtype in FP8_DTYPES else {}),
           **({"grouped_gemm": grouped_table.settings(args)}
              if args.op == "grouped_gemm" else {}),
+          **({"moe": moe_table.settings(args)} if args.op == "moe" else {}),
       },
       "definitions": DEFINITIONS,
       "rows": [],
@@ -287,7 +311,8 @@ def run(argv: list[str] | None = None, log=print) -> dict:
   if processes.is_leader():
     write_json(out_path, result)
   result["output"] = str(out_path)
-  tables = {"gemm": format_gemm_table, "grouped_gemm": grouped_table.format_table}
+  tables = {"gemm": format_gemm_table, "grouped_gemm": grouped_table.format_table,
+            "moe": moe_table.format_table}
   log(tables.get(args.op, format_table)(result))
   log(f"[bench] wrote {out_path}")
   return result

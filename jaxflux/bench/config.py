@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
-OPS = ("all_gather", "ag_gemm", "gemm_rs", "gemm", "grouped_gemm")
+OPS = ("all_gather", "ag_gemm", "gemm_rs", "gemm", "grouped_gemm", "moe")
 AXIS = "tp"
 DEFAULT_VARIANTS = ("gemm", "gemm_only", "comm", "xla", "xla_windowed", "pallas", "jaxflux", "auto")
 EXTRA_VARIANTS = ("xla_gspmd", "jaxflux_wt")
@@ -24,6 +24,8 @@ OP_VARIANTS = {
     # fused_<tile>: the kernel with each tile config (jaxflux.tuning.GROUPED_TILES) forced.
     "grouped_gemm": ("fused", "ragged_dot", "dense", "fused_bwd", "ragged_dot_bwd", "dense_bwd",
                      "fused_cooperative_128x256", "fused_pingpong_128x128"),
+    # One device: the MoE layer's train step (moe_table.py), impl="fused" and impl="xla".
+    "moe": ("fused", "ragged_dot"),
 }
 GEMM_VARIANTS = OP_VARIANTS["gemm"][:7]
 FP8_GEMM_VARIANTS = OP_VARIANTS["gemm"][7:]
@@ -42,6 +44,14 @@ GROUPED_BACKWARD = GROUPED_VARIANTS[3:6]
 ROUTINGS = ("even", "dirichlet")
 DIRICHLET_ALPHA = 0.5
 GROUPED_TABLE_M = (16384,)
+# --op moe: the variants, the default tokens, the params' dtype, the weight of the
+# load-balancing loss in the step's loss, and the largest relative difference of the fused
+# step's loss (its output term) and gradients from ragged_dot's before a warning.
+MOE_VARIANTS = OP_VARIANTS["moe"]
+MOE_TABLE_M = (4096,)
+MOE_PARAM_DTYPE = "float32"
+MOE_AUX_WEIGHT = 0.01
+MOE_MAX_REL_DIFF = 5e-2
 # --op gemm's default token counts: where impl="auto" takes the fused kernels at tp=2; for
 # GEMM+AllReduce (gemm_ar rows) decode sizes too, where the GEMM is a read of the weight.
 GEMM_TABLE_M = (2048, 4096, 8192, 16384)
@@ -114,7 +124,20 @@ DEFINITIONS = {
                        "TFLOP/s as a fraction of one dense XLA dot of the same FLOPs (cuBLAS); "
                        "likewise ragged_dot_vs_dense, and *_bwd_vs_dense_bwd for the backward"),
     "ragged_over_fused": ("--op grouped_gemm: ms['ragged_dot'] / ms['fused'], the speedup of the "
-                          "fused grouped GEMM over XLA's ragged dot; ragged_over_fused_bwd alike"),
+                          "fused grouped GEMM over XLA's ragged dot; ragged_over_fused_bwd alike; "
+                          "--op moe: the same for the MoE layer's train step"),
+    "tflops_moe": ("--op moe: 3 * (2*M*hidden*E + 2*M*k*hidden*I * projections) / time, the "
+                   "step's matmul FLOPs (router and expert MLP, forward and backward)"),
+    "expert_rows": ("--op moe: (token, expert) pairs the router sends to each expert on the "
+                    "first input set (the same for both variants), with their min and max"),
+    "loss_moe": ("--op moe: the step's loss per variant, mean(y * ct) + aux_weight * "
+                 "load_balancing_loss (settings.moe), on the last warm-up call; loss_terms "
+                 "holds the total and both terms"),
+    "loss_rel_diff": ("--op moe: |loss_fused - loss_ragged_dot| / |loss_ragged_dot| on the same "
+                      "inputs; output_loss_rel_diff the same for the mean(y * ct) term alone"),
+    "grad_rel_diff": ("--op moe: per gradient (each param's, and x's), ||g_fused - g_ragged_dot||_F"
+                      " / ||g_ragged_dot||_F in float32 on the same inputs; grad_rel_diff_max the "
+                      "largest"),
     "accumulate": ("--op gemm, FP8 rows: how the fused kernels accumulate for x's dtype "
                    "(jaxflux.ops.gemm.FP8_ACCUMULATE): 'fast' (the tensor cores' accumulator) or "
                    "'promoted' (into float32 registers every few k-blocks)"),
