@@ -347,7 +347,7 @@ def test_gemm_table_run_with_fake_kernels(shapes_file, tmp_path, monkeypatch):
   monkeypatch.setattr(gemm_table, "_gemm", _fake_gemm)
   result = _run("gemm", shapes_file, tmp_path / "g.json", "--M", "64")
   assert result["settings"]["variants"] == ["xla", "gemm_only", "cutlass", "streamk", "swap_ab",
-                                            "xla_own_rows", "own_rows"]
+                                            "xla_own_rows", "xla_own_rows_c", "own_rows"]
   assert result["env"] == {k: v for k, v in result["env"].items() if k == "XLA_FLAGS"}
   ag, rs, ar = result["rows"]
   assert (ag["of"], rs["of"], ar["of"]) == ("ag_gemm", "gemm_rs", "gemm_ar")
@@ -365,9 +365,10 @@ def test_gemm_table_run_with_fake_kernels(shapes_file, tmp_path, monkeypatch):
     assert all(e < 1e-2 for e in r["rel_err"].values()) and set(r["rel_err"]) == set(r["ms"])
     for v in ("gemm_only", "cutlass"):
       assert r["ratios"][f"{v}_vs_xla"] == pytest.approx(r["ms"][v] / r["ms"]["xla"], rel=1e-4)
-  assert rs["ratios"]["own_rows_vs_xla_own_rows"] == pytest.approx(
-      rs["ms"]["own_rows"] / rs["ms"]["xla_own_rows"], rel=1e-4)
-  assert result["summary"]["gemm_rs"]["own_rows_vs_xla_own_rows"]["rows"] == 1
+  for ref in ("xla_own_rows", "xla_own_rows_c"):
+    assert rs["ratios"][f"own_rows_vs_{ref}"] == pytest.approx(
+        rs["ms"]["own_rows"] / rs["ms"][ref], rel=1e-4)
+    assert result["summary"]["gemm_rs"][f"own_rows_vs_{ref}"]["rows"] == 1
 
 
 def test_gemm_table_without_kernels_records_why(shapes_file, tmp_path):

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxflux.bench import device_clock, grouped_table, moe_table, processes
+from jaxflux.bench import device_clock, grouped_table, moe_table, processes, tuning_sweep
 from jaxflux.bench.config import (CHILD_MARKER, DEFAULT_VARIANTS, DEFINITIONS, EXTRA_VARIANTS,
                                   FP8_DTYPES, FP8_GEMM_VARIANTS, GEMM_FAMILIES,
                                   GEMM_VARIANTS, GROUPED_BACKWARD, GROUPED_FORWARD,
@@ -66,6 +66,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--of", type=_csv(str), default=None,
                  help=f"--op gemm only: row families, any of {','.join(GEMM_FAMILIES)} "
                       "(default all; gemm_ar's default M: 1,8,32,128,512,2048,8192)")
+  p.add_argument("--candidates", action="store_true",
+                 help="--op gemm only: the tuning sweep. Each ag_gemm and gemm_rs row also "
+                      "times every candidate of jaxflux.tuning.candidates (tile or own-rows "
+                      "schedule, swizzle) against XLA's dot (see jaxflux/bench/tuning_sweep.py); "
+                      "default --of ag_gemm,gemm_rs and --variants xla,xla_own_rows_c "
+                      "(FP8 --dtype: xla_fp8_fast)")
   p.add_argument("--routing", type=_csv(str), default=None,
                  help=f"--op grouped_gemm only: how rows are spread over the experts, any of "
                       f"{','.join(ROUTINGS)} (default both; see jaxflux/bench/grouped_table.py)")
@@ -140,6 +146,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   if fp8 and args.op != "gemm":
     p.error(f"--dtype {args.dtype} applies to --op gemm (the FP8 GEMM-only table) only")
   gemm_variants = FP8_GEMM_VARIANTS if fp8 else GEMM_VARIANTS
+  explicit_variants = args.variants is not None
   known = {"gemm": gemm_variants, "grouped_gemm": GROUPED_VARIANTS, "moe": MOE_VARIANTS}.get(
       args.op, DEFAULT_VARIANTS + EXTRA_VARIANTS)
   if args.variants is None:
@@ -147,7 +154,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                           "moe": MOE_VARIANTS}.get(args.op, DEFAULT_VARIANTS))
   _check_grouped_args(p, args)
   _check_moe_args(p, args)
-  unknown = [v for v in args.variants if v not in known]
+  _check_candidates_args(p, args, explicit_variants)
+  unknown = [v for v in args.variants if v not in known and
+             not (args.op == "gemm" and tuning_sweep.is_candidate(v))]
   if unknown:
     kind = f" with --dtype {args.dtype}" if args.op == "gemm" else ""
     p.error(f"--variants: unknown {unknown} for --op {args.op}{kind}; choose from {known}")
@@ -179,6 +188,22 @@ def _check_grouped_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
     p.error(f"--op grouped_gemm: --dtype {args.dtype} is not a floating dtype")
   if args.backward:
     args.variants = list(dict.fromkeys(args.variants + list(GROUPED_BACKWARD)))
+
+
+def _check_candidates_args(p: argparse.ArgumentParser, args: argparse.Namespace,
+                           explicit_variants: bool) -> None:
+  """--candidates: --op gemm; adds the candidate variants of the rows' families (ag_gemm,
+  gemm_rs) after the requested ones (default: the XLA references)."""
+  if not args.candidates:
+    return
+  if args.op != "gemm":
+    p.error("--candidates applies to --op gemm")
+  if args.of is None:
+    args.of = list(tuning_sweep.OPS)
+  if not explicit_variants:
+    args.variants = ([tuning_sweep.FP8_REFERENCE] if args.dtype in FP8_DTYPES else
+                     [tuning_sweep.REFERENCES[of] for of in args.of if of in tuning_sweep.OPS])
+  args.variants = list(dict.fromkeys(args.variants + tuning_sweep.variant_names(args.of)))
 
 
 def _check_moe_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -17,9 +17,9 @@ OP_VARIANTS = {
                 "xla_windowed", "xla_gspmd"),
     # One device: each row is one GEMM a device runs in the fused op at tp=2 (see gemm_table.py;
     # the FP8 variants, fp8_table.py, run on the FP8 rows of --dtype float8_*).
-    "gemm": ("xla", "gemm_only", "cutlass", "streamk", "swap_ab", "xla_own_rows", "own_rows",
-             "xla_fp8_fast", "xla_fp8_promoted", "fp8_gemm_only", "cutlass_fp8_fast",
-             "cutlass_fp8_promoted", "quantize"),
+    "gemm": ("xla", "gemm_only", "cutlass", "streamk", "swap_ab", "xla_own_rows",
+             "xla_own_rows_c", "own_rows", "xla_fp8_fast", "xla_fp8_promoted", "fp8_gemm_only",
+             "cutlass_fp8_fast", "cutlass_fp8_promoted", "quantize"),
     # One device: the MoE grouped GEMM (grouped_table.py); the *_bwd variants with --backward;
     # fused_<tile>: the kernel with each tile config (jaxflux.tuning.GROUPED_TILES) forced.
     "grouped_gemm": ("fused", "ragged_dot", "dense", "fused_bwd", "ragged_dot_bwd", "dense_bwd",
@@ -27,8 +27,8 @@ OP_VARIANTS = {
     # One device: the MoE layer's train step (moe_table.py), impl="fused" and impl="xla".
     "moe": ("fused", "ragged_dot"),
 }
-GEMM_VARIANTS = OP_VARIANTS["gemm"][:7]
-FP8_GEMM_VARIANTS = OP_VARIANTS["gemm"][7:]
+GEMM_VARIANTS = OP_VARIANTS["gemm"][:8]
+FP8_GEMM_VARIANTS = OP_VARIANTS["gemm"][8:]
 # --dtype values that make --op gemm the FP8 table: x's format (the weight is always e4m3).
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 # --op gemm's row families: the per-device GEMM of each fused op at tp=2.
@@ -95,6 +95,12 @@ DEFINITIONS = {
                     "TB/s (1e12): the rate the GEMM reads the weight, its bound at decode sizes"),
     "own_rows_vs_xla_own_rows": ("--op gemm, gemm_rs rows: ms['own_rows'] / ms['xla_own_rows'] "
                                  "(the own-rows kernel reading C against XLA's dot without C)"),
+    "own_rows_vs_xla_own_rows_c": ("--op gemm, gemm_rs rows: ms['own_rows'] / "
+                                   "ms['xla_own_rows_c'] (the own-rows kernel against XLA's dot "
+                                   "with the same add of C, which XLA fuses into the GEMM)"),
+    "candidate_ratios": ("--op gemm --candidates: per candidate variant "
+                         "(<family>:<field>=<value>/...), its time over its family's XLA "
+                         "reference (ag_gemm: xla; gemm_rs: xla_own_rows_c); > 1: slower"),
     "fp8_gemm_only_vs_xla_fp8": ("--op gemm, FP8 rows: ms['fp8_gemm_only'] / ms['xla_fp8_<acc>'] "
                                  "with <acc> the row's `accumulate`, the accumulation the fused "
                                  "kernels are built with for x's dtype (> 1: the fused op's FP8 "

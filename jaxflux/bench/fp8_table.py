@@ -269,6 +269,8 @@ def format_table(result: dict) -> str:
                  f"{fmt(ms.get('quantize')):>9}   "
                  + ", ".join(fmt(err.get(v), ".1e") for v in PRODUCTS))
   for of, stats in result.get("summary", {}).items():
+    if of == "candidates":  # the tuning sweep's (gemm_table.format_gemm_table prints it)
+      continue
     for key, s in stats.items():
       spec = ".2e" if key.startswith("rel_err_") else ".3f"
       lines.append(f"{of} {key}: mean {fmt(s['mean'], spec)}, worst {fmt(s['worst'], spec)} "

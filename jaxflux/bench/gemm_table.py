@@ -13,6 +13,7 @@ dot (cuBLAS) on the same operands, variants interleaved as for the other ops:
                   peer's M/2 rows, then gemm(kernel="own_rows", c=that partial) on the own M/2
     cutlass       as for ag_gemm rows, on all M rows
     xla_own_rows  jnp.dot on the own rows [M/2, K/tp] x [K/tp, N] (no C)
+    xla_own_rows_c  jnp.dot + C on the same rows (XLA fuses the add into the GEMM)
     own_rows      gemm(kernel="own_rows", c=C) on the same rows: the own-rows kernel reading C
   gemm_ar rows  [M, K/tp] x [K/tp, N] (the gemm_rs shapes; every row on every device)
     xla           jnp.dot
@@ -23,6 +24,7 @@ dot (cuBLAS) on the same operands, variants interleaved as for the other ops:
     and weight_tbps: the rate each variant reads the weight, what bounds it at decode sizes
 Each variant's output is checked against the same product computed by XLA in float32.
 With an FP8 --dtype the rows are those of fp8_table.py (ag_gemm and gemm_rs, FP8 variants).
+With --candidates the rows also time every tuning candidate (tuning_sweep.py).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxflux.bench import fp8_table
+from jaxflux.bench import fp8_table, tuning_sweep
 from jaxflux.bench.config import FP8_DTYPES
 from jaxflux.bench.rows import Row
 from jaxflux.bench.table import fmt, error_lines
@@ -41,9 +43,11 @@ RATIOS = {"gemm_only_vs_xla": ("gemm_only", "xla"),
           "cutlass_vs_xla": ("cutlass", "xla"),
           "streamk_vs_xla": ("streamk", "xla"),
           "swap_ab_vs_xla": ("swap_ab", "xla"),
-          "own_rows_vs_xla_own_rows": ("own_rows", "xla_own_rows")}
+          "own_rows_vs_xla_own_rows": ("own_rows", "xla_own_rows"),
+          "own_rows_vs_xla_own_rows_c": ("own_rows", "xla_own_rows_c")}
 ROW_VARIANTS = {"ag_gemm": ("xla", "gemm_only", "cutlass"),
-                "gemm_rs": ("xla", "gemm_only", "cutlass", "xla_own_rows", "own_rows"),
+                "gemm_rs": ("xla", "gemm_only", "cutlass", "xla_own_rows", "xla_own_rows_c",
+                            "own_rows"),
                 "gemm_ar": ("xla", "gemm_only", "cutlass", "streamk", "swap_ab")}
 
 
@@ -91,6 +95,8 @@ def variant_spec(name: str, row: Row):
   """(function, input names, float32 reference function) of a --op gemm variant (on an FP8
   row: a dict of the Variant's fields), or a reason string where the variant does not apply to
   the row."""
+  if tuning_sweep.is_candidate(name):
+    return tuning_sweep.variant_spec(name, row)
   if row.fp8:
     return fp8_table.variant_spec(name, row)
   if name not in ROW_VARIANTS[row.of]:
@@ -101,6 +107,9 @@ def variant_spec(name: str, row: Row):
     return (lambda x, w: _gemm(x, w, kernel="cutlass")), ("x", "w"), _f32_dot
   if name == "xla_own_rows":
     return jnp.dot, ("x_own", "w"), _f32_dot
+  if name == "xla_own_rows_c":
+    return ((lambda x, w, c: jnp.dot(x, w) + c), ("x_own", "w", "c"),
+            lambda x, w, c: _f32_dot(x, w) + c.astype(jnp.float32))
   if name == "own_rows":
     return ((lambda x, w, c: _gemm(x, w, kernel="own_rows", c=c)), ("x_own", "w", "c"),
             lambda x, w, c: _f32_dot(x, w) + c.astype(jnp.float32))
@@ -120,7 +129,9 @@ def _flops(row: Row, variant: str) -> int | None:
   full = 2 * row.M * row.K * row.N // row.tp
   if variant == "quantize":
     return None
-  return full // row.tp if variant in ("xla_own_rows", "own_rows") else full
+  own = variant in ("xla_own_rows", "xla_own_rows_c", "own_rows") or (
+      row.of == "gemm_rs" and tuning_sweep.is_candidate(variant))
+  return full // row.tp if own else full
 
 
 def _weight_bytes(row: Row) -> int:
@@ -130,7 +141,8 @@ def _weight_bytes(row: Row) -> int:
 def summarize_gemm_row(row: Row, samples: dict, errors: dict, rel_err: dict, calls: dict,
                        compile_s: dict, n_sets: int) -> dict:
   """The JSON record of one --op gemm row."""
-  names = row_variants(row)
+  names = row_variants(row) + tuple(v for v in dict.fromkeys([*samples, *errors])
+                                    if tuning_sweep.applies(v, row))
   ms = {v: (statistics.median(samples[v]) if samples.get(v) else None) for v in names}
   for v in names:
     if ms[v] is None and v not in errors:
@@ -157,6 +169,8 @@ def summarize_gemm_row(row: Row, samples: dict, errors: dict, rel_err: dict, cal
       **({"quantize_tbps": fp8_table.quantize_tbps(row, ms["quantize"])}
          if "quantize" in ms else {}),
       "ratios": ratios, "rel_err": rel_err, "errors": errors, "warnings": [],
+      **({"candidate_ratios": tuning_sweep.row_ratios(row, ms)}
+         if any(tuning_sweep.applies(v, row) for v in names) else {}),
   }
 
 
@@ -179,6 +193,9 @@ def summarize_table(rows: list[dict]) -> dict[str, Any]:
                       "worst": worst[0], "worst_row": worst[1]}
     if any(r["dtype"] in FP8_DTYPES for r in mine):
       out[of].update(fp8_table.summarize_rel_err(mine))
+  sweep = tuning_sweep.summarize(rows)
+  if sweep:
+    out["candidates"] = sweep
   return out
 
 
@@ -193,7 +210,9 @@ def _weight_rates(record: dict) -> str:
 
 def format_gemm_table(result: dict) -> str:
   if any(r["dtype"] in FP8_DTYPES for r in result["rows"]):
-    return fp8_table.format_table(result)
+    sweep = result.get("summary", {}).get("candidates")
+    return "\n".join([fp8_table.format_table(result)]
+                     + (tuning_sweep.format_summary(sweep) if sweep else []))
   lines = [f"{'of':<8}{'name':<14}{'M':>7}{'xla':>9}{'gemm_only':>10}{'ratio':>7}"
            f"{'cutlass':>9}{'ratio':>7}{'xla_own':>9}{'own_rows':>9}{'ratio':>7}"
            "   (ms per call; ratio > 1: slower than cuBLAS)"]
@@ -206,6 +225,9 @@ def format_gemm_table(result: dict) -> str:
                  f"{fmt(ratios.get('own_rows_vs_xla_own_rows')):>7}"
                  + _weight_rates(r))
   for of, stats in result.get("summary", {}).items():
+    if of == "candidates":
+      lines.extend(tuning_sweep.format_summary(stats))
+      continue
     for key, s in stats.items():
       lines.append(f"{of} {key}: mean {fmt(s['mean'])}, worst {fmt(s['worst'])} "
                    f"({s['worst_row'] or '-'}), {s['rows']} of {s['of_rows']} rows")

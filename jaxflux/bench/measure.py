@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxflux.bench.config import OP_VARIANTS, OUTPUT_VARIANTS, PALLAS_MAX_REL_ERR
+from jaxflux.bench import tuning_sweep
 from jaxflux.bench.gemm_table import row_variants, summarize_gemm_row
 from jaxflux.bench.inputs import input_set_count, make_inputs
 from jaxflux.bench.machine import is_gpu
@@ -89,6 +90,8 @@ def bench_row(row: Row, mesh: Mesh, variants: list[str], args, log=print) -> dic
   input_sets = make_inputs(row, mesh, n_sets, args.seed)
   applicable = [v for v in OP_VARIANTS[row.op] if v in variants and
                 (row.op != "gemm" or v in row_variants(row))]
+  if row.op == "gemm":  # --candidates: the tuning sweep's variants, after the others
+    applicable += [v for v in variants if tuning_sweep.applies(v, row)]
   errors: dict[str, str] = {}
   warnings: list[str] = []
   references: dict = {}  # --op gemm: float32 reference results of this row

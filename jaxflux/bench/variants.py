@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxflux.bench import gemm_table
+from jaxflux.bench import gemm_table, tuning_sweep
 from jaxflux.bench.config import AXIS, OP_VARIANTS
 from jaxflux.bench.machine import is_gpu
 from jaxflux.bench.rows import Row
@@ -54,7 +54,7 @@ def _jaxflux_op(op: str, impl: str) -> Callable:
 def make_variant(name: str, row: Row) -> Variant:
   """The variant `name` for `row`; raises Unavailable with a reason where it cannot run."""
   op = row.op
-  if name not in OP_VARIANTS[op]:
+  if name not in OP_VARIANTS[op] and not (op == "gemm" and tuning_sweep.is_candidate(name)):
     raise Unavailable(f"not applicable to --op {op}")
   if op == "gemm":
     spec = gemm_table.variant_spec(name, row)

@@ -38,7 +38,7 @@ __all__ = ["AUTO_RULES", "ENTRIES", "GROUPED_TILES", "AllGatherMatmulChoice", "A
            "MatmulAllReduceChoice", "MatmulReduceScatterChoice", "Tuned",
            "all_gather_matmul_class", "auto_prefers_fused", "choose_all_gather_matmul",
            "choose_grouped_matmul", "choose_matmul_all_reduce", "choose_matmul_reduce_scatter",
-           "choose_own_rows_gemm",
+           "choose_own_rows_gemm", "candidates",
            "lookup", "matmul_all_reduce_class", "matmul_reduce_scatter_class", "override",
            "shape_classes"]
 
@@ -92,7 +92,8 @@ FIELDS = {
     "matmul_reduce_scatter": {
         "reduce": (lambda v: v in ("epilogue", "pass"), "'epilogue' or 'pass'"),
         "push": _PUSH,
-        "own_rows_schedule": (lambda v: v in OWN_ROWS_SCHEDULES, "'cooperative' or 'pingpong'"),
+        "own_rows_schedule": (lambda v: v in OWN_ROWS_SCHEDULES,
+                              " or ".join(map(repr, OWN_ROWS_SCHEDULES))),
         "own_rows_swizzle": _SWIZZLE,
         "peer_rows_swizzle": _SWIZZLE,
         "grid_sms": _GRID,
@@ -210,6 +211,20 @@ def shape_classes(op: str) -> tuple:
   return ("tp_not_2", "batched") + tuple(
       f"{base}.{rows}" for base in ("whole_epilogue", "chunked", "chunked_long_k")
       for rows in ("rows_lt_2048", "rows_ge_2048"))
+
+
+def candidates(op: str) -> tuple[dict, ...]:
+  """The choices the tuning sweep (`python -m jaxflux.bench --op gemm --candidates`) times for
+  `op`'s GEMM, as override fields: every tile (all_gather_matmul) or own-rows schedule
+  (matmul_reduce_scatter) with every swizzle. The table's entries are picked from these."""
+  _check_op(op)
+  if op == "all_gather_matmul":
+    return tuple({"tile": t, "swizzle": s} for t in AG_TILES for s in SWIZZLES)
+  if op == "matmul_reduce_scatter":
+    return tuple({"own_rows_schedule": o, "own_rows_swizzle": s}
+                 for o in OWN_ROWS_SCHEDULES for s in SWIZZLES)
+  raise ValueError(f"jaxflux.tuning.candidates: no sweep for {op!r}; the sweep covers "
+                   "'all_gather_matmul' and 'matmul_reduce_scatter'.")
 
 
 def lookup(op: str, dtype: str, tp: int, shape_class: str, arch: str = ARCH) -> Entry:
