@@ -101,9 +101,11 @@ def test_gemm_rejects_unknown_kernel():
 
 @pytest.mark.parametrize("kernel,rows,k,n,want", [
     ("cutlass", 4096, 4096, 8192, {"kernel": 0, "swizzle": 1}),
-    # 16 x 16 tiles = 256 < 4 waves of 132 SMs: ping-pong; else cooperative. Swizzle 4.
+    # 16 x 16 tiles = 256 < 4 waves of 132 SMs: ping-pong; else cooperative, swizzle 4, or 8
+    # where 2048-row bands tile each shard (of rows / 2) and N is whole groups of 8 tiles.
     ("all_gather_matmul", 2048, 64, 4096, {"kernel": 1, "tile": 1, "swizzle": 4}),
-    ("all_gather_matmul", 16384, 64, 8192, {"kernel": 1, "tile": 0, "swizzle": 4}),
+    ("all_gather_matmul", 16384, 64, 8192, {"kernel": 1, "tile": 0, "swizzle": 8}),
+    ("all_gather_matmul", 16384, 64, 5120, {"kernel": 1, "tile": 0, "swizzle": 4}),
     # Own rows as GEMM+RS at tp=2 tunes them: chunked (ping-pong, swizzle 4 from 2048 rows) ...
     ("own_rows", 4096, 4096, 8192,
      {"kernel": 2, "own_rows_schedule": 1, "push_chunks": 1, "swizzle": 4}),

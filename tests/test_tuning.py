@@ -24,11 +24,13 @@ TPS = range(2, 9)
 
 def reference_all_gather_matmul(batch, tp, m, n, sms):
   """(tile index, swizzle, local_read): ping-pong 128x128 under 4 waves of 128x256 tiles (when
-  the SM count is known), else cooperative 128x256; swizzle 4; own rows read from x when a
-  shard is whole 128-row tiles."""
+  the SM count is known), else cooperative 128x256; swizzle 8 for cooperative tiles when each
+  shard is whole 2048-row bands and N whole groups of 8 256-column tiles, else 4; own rows read
+  from x when a shard is whole 128-row tiles."""
   tiles = math.ceil(batch * tp * m / 128) * math.ceil(n / 256)
   tile = 1 if sms > 0 and tiles < 4 * sms else 0
-  return tile, 4, int(m % 128 == 0)
+  wide = tile == 0 and m % 2048 == 0 and math.ceil(n / 256) % 8 == 0
+  return tile, 8 if wide else 4, int(m % 128 == 0)
 
 
 def even_chunks(m):
@@ -88,7 +90,7 @@ def produced_classes(op, tp):
       continue
     if op == AG:
       for sms in (0, 1, 132):
-        found.add(tuning.all_gather_matmul_class(batch * tp * m, n, sms))
+        found.add(tuning.all_gather_matmul_class(batch * tp * m, n, sms, m))
     elif op == AR:
       found.add(tuning.matmul_all_reduce_class(batch * m))
     else:
@@ -147,7 +149,7 @@ def test_no_match_is_an_error_naming_the_keys():
 def _check_default(op, tp, batch, m, k, n, dtype, sms=132):
   if op == AG:
     tuned = tuning.choose_all_gather_matmul(dtype=dtype, tp=tp, rows=batch * tp * m, n=n,
-                                            sms=sms)
+                                            sms=sms, shard_rows=m)
     attrs = _attributes.all_gather_matmul(tuned.choice, m)
     got = (attrs["tile"], attrs["swizzle"], attrs["local_read"])
     assert got == reference_all_gather_matmul(batch, tp, m, n, sms), (tp, batch, m, n, sms)

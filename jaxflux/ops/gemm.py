@@ -80,7 +80,8 @@ def attributes(kernel: str, dtype, rows: int, k: int, n: int,
   attrs = {"kernel": KERNELS[kernel], "tile": 0, "own_rows_schedule": 0, "push_chunks": 0}
   if kernel == "all_gather_matmul":
     choice = tuning.choose_all_gather_matmul(dtype=name, tp=2, rows=rows, n=n,
-                                             sms=_runtime.sm_count()).choice
+                                             sms=_runtime.sm_count(),
+                                             shard_rows=rows // 2 if rows % 2 == 0 else 0).choice
     attrs.update(tile=tuning.AG_TILES.index(choice.tile), swizzle=choice.swizzle)
   elif kernel == "matmul_all_reduce":  # as the fused op at tp=2 tunes an unbatched x of `rows`
     choice = tuning.choose_matmul_all_reduce(dtype=name, tp=2, batch=1, m=rows, k=k, n=n,

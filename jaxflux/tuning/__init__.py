@@ -162,17 +162,28 @@ def overrides(op: str) -> dict:
 # Shape classes (what the table is keyed by).
 
 _MIN_WAVES = 4                  # all-gather tile: ping-pong under 4 waves of 128x256 tiles
+# All-gather swizzle 8 sweeps bands of 8 cluster rows (8 x 2 tiles x 128 = 2048 rows) across N.
+_WIDE_BAND_ROWS = 2048
+_WIDE_BAND_N_TILES = 8
 _EPILOGUE_BYTES_PER_K = 6144    # the epilogue's no-stall partial size, bytes per K
 _PINGPONG_MAX_K = 16384         # own-rows ping-pong up to this K_local
 _SWIZZLE_MIN_ROWS = 2048        # own-rows swizzle 4 from two bands of 4 cluster rows of tiles
 _DECODE_MAX_ROWS = 128          # GEMM+AllReduce: up to here a decode GEMM (a read of the weight)
 
 
-def all_gather_matmul_class(rows: int, n: int, sms: int) -> str:
+def all_gather_matmul_class(rows: int, n: int, sms: int, shard_rows: int = 0) -> str:
   """"few_waves" when the GEMM's 128x256 tiles (rows = all rows it computes, n = local N) fill
-  under 4 waves of `sms` SMs, else "many_waves" (also when the SM count is unknown, 0)."""
-  tiles = -(-rows // 128) * -(-n // 256)
-  return "few_waves" if sms > 0 and tiles < _MIN_WAVES * sms else "many_waves"
+  under 4 waves of `sms` SMs (the SM count known, > 0). Else "many_waves.wide_bands" when bands
+  of 2048 rows tile every shard (shard_rows, a batch entry's rows of one rank; 0: unknown) and N
+  is whole groups of 8 256-column tiles: swizzle 8's bands then hold no tiles past M or N (CUTLASS
+  rounds both tile counts up to the band) and none waits for two ranks' rows. Else
+  "many_waves"."""
+  tiles_n = -(-n // 256)
+  if sms > 0 and -(-rows // 128) * tiles_n < _MIN_WAVES * sms:
+    return "few_waves"
+  if shard_rows > 0 and shard_rows % _WIDE_BAND_ROWS == 0 and tiles_n % _WIDE_BAND_N_TILES == 0:
+    return "many_waves.wide_bands"
+  return "many_waves"
 
 
 def matmul_reduce_scatter_class(tp: int, batch: int, m: int, k: int, n: int,
@@ -205,7 +216,7 @@ def shape_classes(op: str) -> tuple:
   """Every class the classifier of `op` can return, from the same branches."""
   _check_op(op)
   if op == "all_gather_matmul":
-    return ("few_waves", "many_waves")
+    return ("few_waves", "many_waves", "many_waves.wide_bands")
   if op == "matmul_all_reduce":
     return ("decode", "prefill.rows_lt_2048", "prefill.rows_ge_2048")
   return ("tp_not_2", "batched") + tuple(
@@ -245,9 +256,10 @@ class Tuned(NamedTuple):
 
 
 def choose_all_gather_matmul(*, dtype: str, tp: int, rows: int, n: int, sms: int,
-                             arch: str = ARCH) -> Tuned:
-  """The all-gather GEMM's choice for `rows` computed rows (batch * tp * m) and local N `n`."""
-  shape_class = all_gather_matmul_class(rows, n, sms)
+                             shard_rows: int = 0, arch: str = ARCH) -> Tuned:
+  """The all-gather GEMM's choice for `rows` computed rows (batch * tp * m), local N `n` and
+  shards of `shard_rows` rows (m; 0: unknown)."""
+  shape_class = all_gather_matmul_class(rows, n, sms, shard_rows)
   entry = lookup("all_gather_matmul", str(dtype), tp, shape_class, arch)
   fields = {**entry.choice, **overrides("all_gather_matmul")}
   return Tuned(AllGatherMatmulChoice(**fields), shape_class)

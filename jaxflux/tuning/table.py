@@ -36,6 +36,14 @@ _AG = "all_gather_matmul"
 _RS = "matmul_reduce_scatter"
 _AR = "matmul_all_reduce"
 
+# FP8 calls take the same entries. In the FP8 sweep (e4m3, run `table` of h200_fp8_gemm.json)
+# the 16-bit choices were within 1.1% of the fastest candidate on 27 of the 32 rows and within
+# 3.3% on 30; one config measured twice in that run differed by up to 7% (gpt3-qkv M=8192). The
+# one row where another choice was clearly faster is llama70b-fc2 M=16384: cooperative own rows
+# 5.5% ahead of the table's ping-pong, as on every 16-bit `chunked` row of h200_gemm_candidates.json
+# (docs/design.md, "The tuning sweep": that conflict is open for both dtypes).
+_FP8 = "h200_fp8_gemm.json"
+
 # The all-gather GEMM's choices other than the tile: swizzle 4 and the own rows read from x.
 _AG_REST = {"swizzle": 4, "local_read": "direct"}
 _AG_REST_WHY = (" Swizzle 4 (bands of 4 cluster rows sweep B's columns together in L2) was the "
@@ -81,7 +89,7 @@ def _rs_epilogue_entries():
   for base, (push, schedule, evidence, why) in _EPILOGUE_CLASSES.items():
     for rows, swizzle in _ROWS_SWIZZLE.items():
       files = (evidence,) + (("h200x2_gemm_rs_own_rows_swizzle.json",)
-                             if rows == "rows_ge_2048" else ())
+                             if rows == "rows_ge_2048" else ()) + (_FP8,)
       yield Entry(_RS, "sm90", "*", 2, f"{base}.{rows}",
                   {"reduce": "epilogue", "push": push, "own_rows_schedule": schedule,
                    "own_rows_swizzle": swizzle, "peer_rows_swizzle": 1},
@@ -94,16 +102,29 @@ _PASS = {"reduce": "pass", "push": "whole", "own_rows_schedule": "cooperative",
 ENTRIES = (
     Entry(_AG, "sm90", "*", "*", "few_waves",
           {"tile": "pingpong_128x128_cluster1x2", **_AG_REST},
-          ("h200x2_ag_gemm_tile_configs.json", "h200x2_ag_gemm_swizzle_and_local_read.json"),
+          ("h200x2_ag_gemm_tile_configs.json", "h200x2_ag_gemm_swizzle_and_local_read.json",
+           "h200_gemm_candidates.json", _FP8),
           "Under 4 waves of 128x256 tiles the last, partly empty wave costs more than the big "
           "tile saves; the 128x128 ping-pong tile (twice the tiles, a smaller last wave) won on "
           "llama70b-qkv at 2048 tokens (320 tiles on 132 SMs)." + _AG_REST_WHY),
     Entry(_AG, "sm90", "*", "*", "many_waves",
           {"tile": "cooperative_128x256_cluster2x1", **_AG_REST},
-          ("h200x2_ag_gemm_tile_configs.json", "h200x2_ag_gemm_swizzle_and_local_read.json"),
+          ("h200x2_ag_gemm_tile_configs.json", "h200x2_ag_gemm_swizzle_and_local_read.json",
+           "h200_gemm_candidates.json", _FP8),
           "With the cooperative 128x256 tile and a 2x1 cluster the fused op was the fastest "
           "of the tile configs on every benchmark row with 4 or more waves of tiles." +
           _AG_REST_WHY),
+    Entry(_AG, "sm90", "*", "*", "many_waves.wide_bands",
+          {"tile": "cooperative_128x256_cluster2x1", "swizzle": 8, "local_read": "direct"},
+          ("h200_gemm_candidates.json", "h200x2_ag_gemm_tile_configs.json", _FP8),
+          "Cooperative 128x256 as for many_waves. Swizzle 8 where its bands of 2048 rows tile "
+          "every shard and N is whole groups of 8 tiles: the GEMM-only sweep on one H200 "
+          "measured it the fastest whole-tile candidate on 8 of the 9 such rows (M 4096-16384 "
+          "of llama70b-fc1, gpt3-qkv and gpt3-fc1), 0.4-4.5% faster than swizzle 4 there and "
+          "0.7% slower on the ninth (gpt3-qkv M=4096); elsewhere "
+          "swizzle 8 pads the grid (llama70b-qkv's 20 N tiles: 1.34-1.38x cuBLAS) or, at 2048 "
+          "tokens, makes a band span both shards (swizzle 4 measured fastest there in the "
+          "fused op)."),
     Entry(_RS, "sm90", "*", 2, "batched", dict(_PASS),
           ("h200x2_gemm_rs_reduce_and_push.json",),
           "A batched partial is one [b, m, N] slot whose row chunks are not contiguous, so it "
