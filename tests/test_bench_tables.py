@@ -61,7 +61,7 @@ def test_render_blocks_from_fake_results(results):
 def _gemm_row(of, name, M, gemm_only, own_rows=None, tbps=None):
   ratios = {"gemm_only_vs_xla": gemm_only}
   if own_rows is not None:
-    ratios["own_rows_vs_xla_own_rows"] = own_rows
+    ratios["own_rows_vs_xla_own_rows_c"] = own_rows
   return {"of": of, "name": name, "M": M, "ratios": ratios,
           **({"weight_tbps": {"xla": tbps[0], "gemm_only": tbps[1]}} if tbps else {})}
 
