@@ -56,7 +56,6 @@ def test_candidate_names_round_trip_and_cover_the_table_options():
 def test_every_candidate_runs_under_its_override_against_the_reference(shapes_file, tmp_path,
                                                                        monkeypatch):
   seen = []
-  monkeypatch.setattr(tuning_sweep, "_gemm", _recording_gemm(seen))
   monkeypatch.setattr(gemm_table, "_gemm", _recording_gemm(seen))
   result = _run(shapes_file, tmp_path / "c.json")
   assert result["settings"]["variants"][:2] == ["xla", "xla_own_rows_c"]

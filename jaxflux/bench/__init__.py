@@ -25,10 +25,10 @@ For --op all_gather: `xla` is lax.all_gather and `jaxflux` the internal copy-eng
 (jaxflux.ops.all_gather.all_gather(x, axis_name, impl="fused")). --op gemm is the single-device
 GEMM table (jaxflux/bench/gemm_table.py); with --dtype float8_e4m3fn or float8_e5m2 the FP8 one
 (jaxflux/bench/fp8_table.py); with --candidates also the tuning sweep over jaxflux.tuning's
-candidates (jaxflux/bench/tuning_sweep.py). --op grouped_gemm is the MoE grouped GEMM on one device against
-lax.ragged_dot and a dense GEMM of the same FLOPs (jaxflux/bench/grouped_table.py). --op moe is
-the train step (forward + backward) of the MoE layer jaxflux.MoE on one device, impl="fused"
-against impl="xla" (lax.ragged_dot), with their losses and gradients compared
+candidates (jaxflux/bench/tuning_sweep.py). --op grouped_gemm is the MoE grouped GEMM on one
+device against lax.ragged_dot and a dense GEMM of the same FLOPs (jaxflux/bench/grouped_table.py).
+--op moe is the train step (forward + backward) of the MoE layer jaxflux.MoE on one device,
+impl="fused" against impl="xla" (lax.ragged_dot), with their losses and gradients compared
 (jaxflux/bench/moe_table.py).
 
 Timing (timing.py): on GPU the GPUs' own clocks around queued calls (`--timing device`) or the

@@ -33,6 +33,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxflux import tuning
 from jaxflux.bench import fp8_table, tuning_sweep
 from jaxflux.bench.config import FP8_DTYPES
 from jaxflux.bench.rows import Row
@@ -96,7 +97,7 @@ def variant_spec(name: str, row: Row):
   row: a dict of the Variant's fields), or a reason string where the variant does not apply to
   the row."""
   if tuning_sweep.is_candidate(name):
-    return tuning_sweep.variant_spec(name, row)
+    return _candidate_spec(name, row)
   if row.fp8:
     return fp8_table.variant_spec(name, row)
   if name not in ROW_VARIANTS[row.of]:
@@ -122,6 +123,41 @@ def variant_spec(name: str, row: Row):
   if row.tp != 2:
     return f"the GEMM+RS GEMM-only composition is defined at tp=2, not tp={row.tp}"
   return rs_gemm_only, ("x_peer", "x_own", "w"), lambda p, o, w: _f32_dot(p, w) + _f32_dot(o, w)
+
+
+def _candidate_spec(variant: str, row):
+  """(function, input names, float32 reference) of a tuning sweep candidate (tuning_sweep.py;
+  an FP8 row's: a dict of the Variant's fields), or a reason string."""
+  parsed = tuning_sweep.parse(variant)
+  if parsed is None or parsed[0] != row.of:
+    return f"not applicable to {row.of} rows"
+  of, fields = parsed
+  op = tuning_sweep.OPS[of]
+  if row.fp8:  # fp8_gemm_only's fields, its function run under the candidate
+    spec = fp8_table.variant_spec("fp8_gemm_only", row)
+    if isinstance(spec, str):
+      return spec
+    fn = spec["fn"]
+
+    def run_fp8(*args):
+      with tuning.override(op, **fields):
+        return fn(*args)
+
+    return {**spec, "fn": run_fp8}
+
+  if of == "ag_gemm":
+    def run(x, w):
+      with tuning.override(op, **fields):
+        return _gemm(x, w, kernel="all_gather_matmul")
+
+    return run, ("x", "w"), _f32_dot
+
+  def run_own(x, w, c):
+    with tuning.override(op, **fields):
+      return _gemm(x, w, kernel="own_rows", c=c)
+
+  return (run_own, ("x_own", "w", "c"),
+          lambda x, w, c: _f32_dot(x, w) + c.astype(jnp.float32))
 
 
 def _flops(row: Row, variant: str) -> int | None:

@@ -10,18 +10,17 @@ variants are:
   FP8 rows      (--dtype float8_*) `fp8_gemm_only` under each candidate (gemm_rs: the peer rows'
                 GEMM, then the own-rows kernel under the candidate), against `xla_fp8_fast`
                 (XLA's FP8 dot, cuBLASLt, accumulating as the fused kernels do)
-A candidate variant is named `<family>:<field>=<value>/<field>=<value>`; its ratio to the
-family's reference is in the row's `candidate_ratios` (> 1: slower than cuBLAS), and the summary
-gives each candidate's mean and worst ratio over the rows and each row's fastest candidate.
+gemm_table.py builds the candidate variants; this module names and parses them and summarizes
+their times. A candidate variant is named `<family>:<field>=<value>/<field>=<value>`; its ratio
+to the family's reference is in the row's `candidate_ratios` (> 1: slower than cuBLAS), and the
+summary gives each candidate's mean and worst ratio over the rows and each row's fastest
+candidate.
 """
 from __future__ import annotations
 
 import statistics
 
-import jax.numpy as jnp
-
 from jaxflux import tuning
-from jaxflux.bench import fp8_table
 
 # The fused op each family's candidates tune, and the XLA variant they are measured against.
 OPS = {"ag_gemm": "all_gather_matmul", "gemm_rs": "matmul_reduce_scatter"}
@@ -65,50 +64,6 @@ def variant_names(families) -> list[str]:
   """Every candidate variant of these families, in the table's candidate order."""
   return [name(of, fields) for of in families if of in OPS
           for fields in tuning.candidates(OPS[of])]
-
-
-def _gemm(x, w, **kwargs):
-  from jaxflux.ops import gemm as gemm_module  # the CPU-only harness imports without it
-  return gemm_module.gemm(x, w, **kwargs)
-
-
-def _f32_dot(a, b):
-  return jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
-                 preferred_element_type=jnp.float32)
-
-
-def variant_spec(variant: str, row):
-  """(function, input names, float32 reference) of a candidate variant, or a reason string."""
-  parsed = parse(variant)
-  if parsed is None or parsed[0] != row.of:
-    return f"not applicable to {row.of} rows"
-  of, fields = parsed
-  op = OPS[of]
-  if row.fp8:  # fp8_gemm_only's fields, its function run under the candidate
-    spec = fp8_table.variant_spec("fp8_gemm_only", row)
-    if isinstance(spec, str):
-      return spec
-    fn = spec["fn"]
-
-    def run_fp8(*args):
-      with tuning.override(op, **fields):
-        return fn(*args)
-
-    return {**spec, "fn": run_fp8}
-
-  if of == "ag_gemm":
-    def run(x, w):
-      with tuning.override(op, **fields):
-        return _gemm(x, w, kernel="all_gather_matmul")
-
-    return run, ("x", "w"), _f32_dot
-
-  def run_own(x, w, c):
-    with tuning.override(op, **fields):
-      return _gemm(x, w, kernel="own_rows", c=c)
-
-  return (run_own, ("x_own", "w", "c"),
-          lambda x, w, c: _f32_dot(x, w) + c.astype(jnp.float32))
 
 
 def row_ratios(row, ms: dict) -> dict:

@@ -119,29 +119,40 @@ def _dimension_numbers(transpose_w: bool) -> lax.RaggedDotDimensionNumbers:
       lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
 
 
-def _check_operands(x, w, group_sizes, transpose_w: bool):
-  """Ranks, contraction size and dtypes of x, w and group_sizes (static facts only; FP8 pairs
-  and their scales are checked before); returns group_sizes as int32."""
+def check_rows_and_weights(op: str, name: str, x, w, transpose_w: bool, *, x_layout: str,
+                           w_holds: str, w_rank_fix: str) -> None:
+  """The checks every grouped GEMM's operands share: x (called `name`) [rows, K], w [G, K, N]
+  ([G, N, K] with transpose_w) with x's K, both floating. x_layout and w_holds describe the
+  operands in the messages; w_rank_fix says how to fix a w of the wrong rank."""
   if jnp.ndim(x) != 2:
-    raise ValueError(f"{_OP}: x must have rank 2 ([M, K], rows sorted by group); got shape "
-                     f"{jnp.shape(x)}. Flatten the token axes, e.g. x.reshape(-1, x.shape[-1]).")
+    raise ValueError(f"{op}: {name} must have rank 2 ({x_layout}); got shape {jnp.shape(x)}. "
+                     f"Flatten the token axes, e.g. {name}.reshape(-1, {name}.shape[-1]).")
   layout = "[G, N, K]" if transpose_w else "[G, K, N]"
   if jnp.ndim(w) != 3:
-    fix = ("For a single group pass w[None] (with group_sizes of length 1)." if jnp.ndim(w) == 2
-           else "Stack the groups' weights along axis 0.")
-    raise ValueError(f"{_OP}: w must have rank 3 ({layout}, one weight per group); got shape "
-                     f"{jnp.shape(w)}. {fix}")
+    raise ValueError(f"{op}: w must have rank 3 ({layout}, {w_holds}); got shape "
+                     f"{jnp.shape(w)}. {w_rank_fix}")
   w_k = w.shape[2] if transpose_w else w.shape[1]
   if x.shape[1] != w_k:
     fix = ("With transpose_w=True w is [G, N, K]; pass transpose_w=False if it is stored "
            "[G, K, N]." if transpose_w else
            "Pass w as [G, K, N], or pass transpose_w=True if it is stored [G, N, K].")
-    raise ValueError(f"{_OP}: contraction sizes differ: x has K={x.shape[1]} (x.shape={x.shape}) "
-                     f"but w has K={w_k} (w.shape={w.shape}, transpose_w={transpose_w}). {fix}")
-  for name, a in (("x", x), ("w", w)):
+    raise ValueError(f"{op}: contraction sizes differ: {name} has K={x.shape[1]} ({name}.shape="
+                     f"{x.shape}) but w has K={w_k} (w.shape={w.shape}, transpose_w="
+                     f"{transpose_w}). {fix}")
+  for arg, a in ((name, x), ("w", w)):
     if not jnp.issubdtype(a.dtype, jnp.floating):
-      raise TypeError(f"{_OP}: {name} must be a floating-point array; got dtype {a.dtype}. "
-                      f"Cast it, e.g. {name}.astype(jnp.bfloat16).")
+      raise TypeError(f"{op}: {arg} must be a floating-point array; got dtype {a.dtype}. "
+                      f"Cast it, e.g. {arg}.astype(jnp.bfloat16).")
+
+
+def _check_operands(x, w, group_sizes, transpose_w: bool):
+  """Ranks, contraction size and dtypes of x, w and group_sizes (static facts only; FP8 pairs
+  and their scales are checked before); returns group_sizes as int32."""
+  check_rows_and_weights(
+      _OP, "x", x, w, transpose_w, x_layout="[M, K], rows sorted by group",
+      w_holds="one weight per group",
+      w_rank_fix=("For a single group pass w[None] (with group_sizes of length 1)."
+                  if jnp.ndim(w) == 2 else "Stack the groups' weights along axis 0."))
   if not hasattr(group_sizes, "dtype"):
     group_sizes = jnp.asarray(group_sizes)
   num_groups = w.shape[0]

@@ -45,7 +45,7 @@ import numpy as np
 from jax import lax
 
 from jaxflux.ops import _common, _grouped_kernel, _moe_fused, _plan, all_gather
-from jaxflux.ops.grouped_matmul import grouped_matmul
+from jaxflux.ops.grouped_matmul import check_rows_and_weights, grouped_matmul
 from jaxflux.ops.moe_routing import MoeRouting
 
 _AG_OP = "all_gather_grouped_matmul"
@@ -331,25 +331,10 @@ def _resolve(op: str, impl: str, x, w, tp: int, axis_name: str) -> str:
 def _check_operands(op: str, name: str, x, w, transpose_w: bool) -> None:
   """Ranks, contraction size and dtypes of the rows operand `name` [rows, K] and w [G, K, N]
   ([G, N, K] with transpose_w)."""
-  if jnp.ndim(x) != 2:
-    raise ValueError(f"{op}: {name} must have rank 2 ([rows, K]); got shape {jnp.shape(x)}. "
-                     f"Flatten the token axes, e.g. {name}.reshape(-1, {name}.shape[-1]).")
-  layout = "[G, N, K]" if transpose_w else "[G, K, N]"
-  if jnp.ndim(w) != 3:
-    raise ValueError(f"{op}: w must have rank 3 ({layout}, one weight shard per expert); got "
-                     f"shape {jnp.shape(w)}. Stack the experts' weights along axis 0.")
-  w_k = w.shape[2] if transpose_w else w.shape[1]
-  if x.shape[1] != w_k:
-    fix = ("With transpose_w=True w is [G, N, K]; pass transpose_w=False if it is stored "
-           "[G, K, N]." if transpose_w else
-           "Pass w as [G, K, N], or pass transpose_w=True if it is stored [G, N, K].")
-    raise ValueError(f"{op}: contraction sizes differ: {name} has K={x.shape[1]} ({name}.shape="
-                     f"{x.shape}) but w has K={w_k} (w.shape={w.shape}, transpose_w="
-                     f"{transpose_w}). {fix}")
+  check_rows_and_weights(op, name, x, w, transpose_w, x_layout="[rows, K]",
+                         w_holds="one weight shard per expert",
+                         w_rank_fix="Stack the experts' weights along axis 0.")
   for arg, a in ((name, x), ("w", w)):
-    if not jnp.issubdtype(a.dtype, jnp.floating):
-      raise TypeError(f"{op}: {arg} must be a floating-point array; got dtype {a.dtype}. "
-                      f"Cast it, e.g. {arg}.astype(jnp.bfloat16).")
     if _common.is_narrow_float(a.dtype):
       raise TypeError(f"{op}: {arg}.dtype={a.dtype}: FP8 (1-byte float) operands are not "
                       f"supported (no scales). Dequantize {arg} to bfloat16 or float32.")
