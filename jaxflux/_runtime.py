@@ -261,6 +261,21 @@ def host_slots() -> HostSlots:
     return _ensure_host_slots()
 
 
+_published: dict = {}
+
+
+def published(name: str, value: str) -> dict:
+  """Every process's `value` for `name` (process index -> value), this process's published once
+  (later calls return what was agreed). Under jax.distributed only."""
+  with _lock:
+    if name not in _published:
+      client = _kv()
+      client.key_value_set(f"jaxflux/{name}/{jax.process_index()}", value)
+      _published[name] = {pid: _kv_get(client, f"jaxflux/{name}/{pid}", f"process {pid}'s {name}")
+                          for pid in range(jax.process_count())}
+    return _published[name]
+
+
 def _ensure_host_slots() -> HostSlots:
   global _host_slots
   if _host_slots is not None:

@@ -689,7 +689,26 @@ def run_die():
   os._exit(0 if not failures else 1)  # skip jax.distributed's shutdown barrier (peer is gone)
 
 
+def print_choices():
+  """`TUNING <tables digest> <choices digest>`: the kernel tables this process reads and what
+  they choose on the benchmark shapes at M 1024-16384 (tp=2), which every rank must share."""
+  shapes = json.loads((pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+                       / "shapes.json").read_text())
+  choices = []
+  for M in (1024, 2048, 4096, 8192, 16384):
+    for s in shapes["ag_gemm"]:
+      choices.append(tuning.choose_all_gather_matmul(
+          dtype="bfloat16", tp=2, rows=M, k=s["K"], n=s["N"] // 2, sms=_runtime.sm_count(),
+          shard_rows=M // 2))
+    for s in shapes["gemm_rs"]:
+      choices.append(tuning.choose_matmul_reduce_scatter(
+          dtype="bfloat16", tp=2, batch=1, m=M // 2, k=s["K"] // 2, n=s["N"], itemsize=2))
+  text = repr(choices).encode()
+  print(f"TUNING {tuning.active_tables().digest} {hashlib.sha256(text).hexdigest()}", flush=True)
+
+
 if MODE == "check":
+  print_choices()
   with jax.set_mesh(mesh):
     run_check()
   if not SHARED_GPU:  # its all-gather is an XLA collective: NCCL takes one rank per GPU

@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxflux
 from jaxflux import _runtime, tuning
+from jaxflux.tuning import device as tuning_device
 from jaxflux.ops import _fused, _platform
 from jaxflux.ops.gemm import gemm
 from conftest import make_mesh
@@ -17,7 +18,9 @@ from jaxpr_util import equations
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-  """Tracing as if a CUDA build and GPUs were present (the FFI target is never lowered)."""
+  """Tracing as if a CUDA build and GPUs were present (the FFI target is never lowered), of no
+  kind with a device table (the sm90 defaults), wherever the test runs."""
+  monkeypatch.setattr(tuning_device, "current", lambda: None)
   monkeypatch.setattr(_platform, "platform_reason", lambda axis_name=None: None)
   monkeypatch.setattr(_runtime, "ensure_workspace", lambda nbytes: 0)
   monkeypatch.setattr(_runtime, "target_name", lambda op: f"jaxflux_{op}")
@@ -101,15 +104,15 @@ def test_gemm_rejects_unknown_kernel():
 
 @pytest.mark.parametrize("kernel,rows,k,n,want", [
     ("cutlass", 4096, 4096, 8192, {"kernel": 0, "swizzle": 1}),
-    # 16 x 16 tiles = 256 < 4 waves of 132 SMs: ping-pong; else cooperative, swizzle 4, or 8
-    # where 2048-row bands tile each shard (of rows / 2) and N is whole groups of 8 tiles.
-    ("all_gather_matmul", 2048, 64, 4096, {"kernel": 1, "tile": 1, "swizzle": 4}),
+    # Cooperative, swizzle 4 (also under 4 waves: 16 x 16 tiles = 256 < 4 x 132), or 8 where
+    # 2048-row bands tile each shard (of rows / 2) and N is whole groups of 8 tiles.
+    ("all_gather_matmul", 2048, 64, 4096, {"kernel": 1, "tile": 0, "swizzle": 4}),
     ("all_gather_matmul", 16384, 64, 8192, {"kernel": 1, "tile": 0, "swizzle": 8}),
     ("all_gather_matmul", 16384, 64, 5120, {"kernel": 1, "tile": 0, "swizzle": 4}),
-    # Own rows as GEMM+RS at tp=2 tunes them: chunked (ping-pong, swizzle 4 from 2048 rows) ...
+    # Own rows as GEMM+RS at tp=2 tunes them: chunked (swizzle 4 from 2048 rows) up to K 16384
+    # and past it, and the whole push (CUTLASS's order) for a small partial.
     ("own_rows", 4096, 4096, 8192,
-     {"kernel": 2, "own_rows_schedule": 1, "push_chunks": 1, "swizzle": 4}),
-    # ... cooperative past K 16384, and the whole push (CUTLASS's order) for a small partial.
+     {"kernel": 2, "own_rows_schedule": 0, "push_chunks": 1, "swizzle": 4}),
     ("own_rows", 8192, 24576, 12288,
      {"kernel": 2, "own_rows_schedule": 0, "push_chunks": 1, "swizzle": 4}),
     ("own_rows", 256, 4096, 8192,
@@ -188,9 +191,11 @@ def test_an_unknown_reduction_mode_fails_at_the_override():
 
 
 def test_all_gather_choice_traces_into_the_call(fake_gpu, monkeypatch):
-  """The tile and swizzle of the table (or of an override), and the own rows read from x only
-  where a shard is whole tiles."""
+  """The tile and swizzle of the device's table (here H200's: ping-pong under 4 waves) or of an
+  override, and the own rows read from x only where a shard is whole tiles."""
   monkeypatch.setattr(_runtime, "sm_count", lambda: 132)
+  monkeypatch.setattr(tuning_device, "current",
+                      lambda: tuning.Device("NVIDIA H200", "9.0", 132))
 
   def attrs_of(m):
     x = jnp.ones((2 * m, 64), jnp.bfloat16)
@@ -199,8 +204,10 @@ def test_all_gather_choice_traces_into_the_call(fake_gpu, monkeypatch):
     [(target, attrs)] = _ffi_calls(jax.make_jaxpr(f)(x, w))
     assert target == "jaxflux_all_gather_matmul"
     return attrs
+  # 4 tiles: few waves, ping-pong; the class's swizzle 4 halved so that its bands of 4 x 128
+  # rows fit a shard of 256.
   assert {k: attrs_of(256)[k] for k in ("tile", "swizzle", "local_read", "grid_sms")} == {
-      "tile": 1, "swizzle": 4, "local_read": 1, "grid_sms": 0}  # 4 tiles: few waves
+      "tile": 1, "swizzle": 2, "local_read": 1, "grid_sms": 0}
   assert attrs_of(200)["local_read"] == 0  # not whole 128-row tiles: copied first
   with tuning.override("all_gather_matmul", tile="cooperative_128x256_cluster2x1", swizzle=1,
                        local_read="copy", grid_sms=100):

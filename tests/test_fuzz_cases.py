@@ -138,8 +138,8 @@ def _choose(tuning, case):
   batch, itemsize = int(np.prod(case.batch)), 2
   if case.op == "all_gather_matmul":
     return tuning.choose_all_gather_matmul(dtype=case.dtype, tp=case.tp,
-                                           rows=batch * case.tp * case.m, n=case.n, sms=132,
-                                           shard_rows=case.m)
+                                           rows=batch * case.tp * case.m, k=case.k, n=case.n,
+                                           sms=132, shard_rows=case.m)
   if case.op == "matmul_reduce_scatter":
     return tuning.choose_matmul_reduce_scatter(dtype=case.dtype, tp=case.tp, batch=batch,
                                                m=case.m, k=case.k, n=case.n, itemsize=itemsize)

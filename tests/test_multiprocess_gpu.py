@@ -81,6 +81,9 @@ def test_a_dead_peer_fails_the_survivor_within_the_timeout(launcher, tmp_path):
 def test_fused_ops_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path):
   results = _run(one_gpu_launcher, tmp_path, "check", timeout=180, shared=True)
   assert [code for code, _ in results] == [0, 0], describe(results)
+  # Both ranks read the same device tables and make the same kernel choices.
+  tuning_lines = [re.findall(r"^TUNING [0-9a-f]{16} [0-9a-f]{64}$", out, re.M) for _, out in results]
+  assert len(tuning_lines[0]) == 1 and tuning_lines[0] == tuning_lines[1], describe(results)
   for i, (_, out) in enumerate(results):
     assert f"WORKER OK {i}" in out, describe(results)
     for case in ("all_gather_matmul value", "matmul_reduce_scatter value", "gradient x",

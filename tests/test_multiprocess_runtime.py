@@ -4,7 +4,7 @@ exchange, and the trace-time reasons auto falls back to XLA. The CUDA IPC mappin
 on GPUs only (tests/test_multiprocess_gpu.py)."""
 import pytest
 
-from jaxflux import _runtime
+from jaxflux import _runtime, tuning
 from jaxflux.ops import _platform
 
 
@@ -120,6 +120,19 @@ def test_multi_process_reasons():
   assert _platform.multi_process_reason(1, two_hosts) is None
   assert "spans 2 hosts" in _platform.multi_process_reason(1, two_hosts, "tp")
   assert "jax.set_mesh" in _platform.multi_process_reason(1, two_hosts, "tp")
+
+
+def test_processes_of_a_host_must_read_the_same_kernel_tables():
+  """Processes 0 and 1 share host 0, process 2 is on host 1: a different table on host 1 is no
+  conflict; one on host 0 is, naming the processes and the fix."""
+  host_of = {0: 0, 1: 0, 2: 1}
+  mine = tuning.active_tables().digest
+  agree = lambda name, value: {0: value, 1: value, 2: "elsewhere"}  # noqa: E731
+  assert _platform.tuning_agreement_reason(host_of, agree) is None
+  differ = lambda name, value: {0: value, 1: "other", 2: value}  # noqa: E731
+  reason = _platform.tuning_agreement_reason(host_of, differ)
+  assert f"process 0: {mine}; processes [1] differ" in reason
+  assert "JAXFLUX_TUNING_DIR" in reason and "python -m jaxflux.tune --show" in reason
 
 
 class FakeProcessDevice:

@@ -23,14 +23,14 @@ TPS = range(2, 9)
 # --- the reference: the kernels' rules, as the handlers applied them -------------------------
 
 def reference_all_gather_matmul(batch, tp, m, n, sms):
-  """(tile index, swizzle, local_read): ping-pong 128x128 under 4 waves of 128x256 tiles (when
-  the SM count is known), else cooperative 128x256; swizzle 8 for cooperative tiles when each
-  shard is whole 2048-row bands and N whole groups of 8 256-column tiles, else 4; own rows read
+  """(tile index, swizzle, local_read) of the sm90 defaults: cooperative 128x256 (ping-pong
+  128x128 won few-wave rows on one device only); swizzle 8 when each shard is whole 2048-row
+  bands and N whole groups of 8 256-column tiles (at 4 or more waves), else 4; own rows read
   from x when a shard is whole 128-row tiles."""
   tiles = math.ceil(batch * tp * m / 128) * math.ceil(n / 256)
-  tile = 1 if sms > 0 and tiles < 4 * sms else 0
-  wide = tile == 0 and m % 2048 == 0 and math.ceil(n / 256) % 8 == 0
-  return tile, 8 if wide else 4, int(m % 128 == 0)
+  few_waves = sms > 0 and tiles < 4 * sms
+  wide = not few_waves and m % 2048 == 0 and math.ceil(n / 256) % 8 == 0
+  return 0, 8 if wide else 4, int(m % 128 == 0)
 
 
 def even_chunks(m):
@@ -40,8 +40,9 @@ def even_chunks(m):
 
 
 def reference_matmul_reduce_scatter(tp, batch, m, k, n, itemsize):
-  """(epilogue, chunks, pingpong, own-rows swizzle, peer-rows swizzle); pingpong and the
-  own-rows swizzle are None where the own-rows GEMM is a plain one (the pass)."""
+  """(epilogue, chunks, pingpong, own-rows swizzle, peer-rows swizzle) of the sm90 defaults
+  (cooperative own rows everywhere); pingpong and the own-rows swizzle are None where the
+  own-rows GEMM is a plain one (the pass)."""
   partial = batch * m * n * itemsize
   push_in_chunks = batch == 1
   epilogue = tp == 2 and (push_in_chunks or partial <= 6144 * k)
@@ -51,7 +52,7 @@ def reference_matmul_reduce_scatter(tp, batch, m, k, n, itemsize):
     chunks = even_chunks(m)
   if not epilogue:
     return False, chunks, None, None, 1
-  return True, chunks, chunks > 1 and k <= 16384, 4 if m >= 2 * 4 * 256 else 1, 1
+  return True, chunks, False, 4 if m >= 2 * 4 * 256 else 1, 1
 
 
 def kernel_view(attrs, m):
@@ -115,7 +116,7 @@ def test_the_table_covers_every_class_on_sm90(op, tp, dtype):
     assert entry.op == op and entry.shape_class == shape_class
     fields = {f for f in tuning.FIELDS[op] if f != "grid_sms"}
     assert set(entry.choice) == fields, entry  # every field but grid_sms, nothing else
-    tuning._check_fields(op, entry.choice)
+    tuning.check_fields(op, entry.choice)
 
 
 def test_every_record_names_a_result_file_that_exists_and_says_why():
@@ -148,15 +149,15 @@ def test_no_match_is_an_error_naming_the_keys():
 
 def _check_default(op, tp, batch, m, k, n, dtype, sms=132):
   if op == AG:
-    tuned = tuning.choose_all_gather_matmul(dtype=dtype, tp=tp, rows=batch * tp * m, n=n,
-                                            sms=sms, shard_rows=m)
+    tuned = tuning.choose_all_gather_matmul(dtype=dtype, tp=tp, rows=batch * tp * m, k=k, n=n,
+                                            sms=sms, shard_rows=m, device=None)
     attrs = _attributes.all_gather_matmul(tuned.choice, m)
     got = (attrs["tile"], attrs["swizzle"], attrs["local_read"])
     assert got == reference_all_gather_matmul(batch, tp, m, n, sms), (tp, batch, m, n, sms)
     assert attrs["grid_sms"] == 0
   else:
     tuned = tuning.choose_matmul_reduce_scatter(dtype=dtype, tp=tp, batch=batch, m=m, k=k, n=n,
-                                                itemsize=DTYPES[dtype])
+                                                itemsize=DTYPES[dtype], device=None)
     attrs = _attributes.matmul_reduce_scatter(tuned.choice)
     want = reference_matmul_reduce_scatter(tp, batch, m, k, n, DTYPES[dtype])
     assert kernel_view(attrs, m) == want, (tp, batch, m, k, n, tuned)
@@ -248,7 +249,8 @@ def test_overrides_are_per_thread():
 
 def test_an_override_reaches_the_choice_and_keeps_the_class():
   with tuning.override(AG, tile="cooperative_128x256_cluster2x1", local_read="copy"):
-    tuned = tuning.choose_all_gather_matmul(dtype="float16", tp=2, rows=2048, n=512, sms=132)
+    tuned = tuning.choose_all_gather_matmul(dtype="float16", tp=2, rows=2048, k=1024, n=512,
+                                            sms=132, device=None)
   assert tuned.shape_class == "few_waves"
   assert tuned.choice == tuning.AllGatherMatmulChoice("cooperative_128x256_cluster2x1", 4,
                                                       "copy", 0)

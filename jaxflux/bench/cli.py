@@ -224,10 +224,13 @@ def _describe(row) -> str:
           f"{row.dtype}")
 
 
-def _bench_rows(args, rows, mesh, variants, result, out_path, child, want_windowed, log):
+def _bench_rows(args, rows, mesh, variants, result, out_path, child, want_windowed, log,
+                progress):
   """Measures the rows in order, adding each record to `result` (and writing it out)."""
   for i, row in enumerate(rows):
     log(f"[bench] row {i + 1}/{len(rows)}: {_describe(row)}", flush=True)
+    if progress is not None:
+      progress(i, len(rows), _describe(row))
     measure = {"grouped_gemm": grouped_table.bench_row, "moe": moe_table.bench_row}.get(
         row.op, bench_row)
     record = measure(row, mesh, variants, args, log=log)
@@ -248,9 +251,10 @@ def _bench_rows(args, rows, mesh, variants, result, out_path, child, want_window
       write_json(out_path, result)
 
 
-def run(argv: list[str] | None = None, log=print) -> dict:
+def run(argv: list[str] | None = None, log=print, progress=None) -> dict:
   """Runs the benchmark described by command-line style `argv`; returns the result dict (also
-  written as JSON, see --out)."""
+  written as JSON, see --out). progress(done, total, row description) is called before each
+  row."""
   args = parse_args(argv)
   if args.distributed or args.cpu_devices is not None:
     processes.join(args.distributed, args.local_device_ids, args.cpu_devices)
@@ -328,7 +332,8 @@ def run(argv: list[str] | None = None, log=print) -> dict:
   # table when traced under jax.set_mesh; without it each call would all-gather them first.
   ambient = jax.set_mesh(mesh) if jax.process_count() > 1 else contextlib.nullcontext()
   with ambient:
-    _bench_rows(args, rows, mesh, variants, result, out_path, child, want_windowed, log)
+    _bench_rows(args, rows, mesh, variants, result, out_path, child, want_windowed, log,
+                progress)
   try:  # repo-relative where it can be, so committed records name no local folders
     result["output"] = str(out_path.resolve().relative_to(repo_root()))
   except ValueError:

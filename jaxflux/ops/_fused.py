@@ -39,7 +39,8 @@ def all_gather_matmul(x, w, axis_name: str, want_gathered: bool, *, transpose_w:
   n = w.shape[0] if transpose_w else w.shape[1]
   batch = math.prod(x.shape[:-2])
   tuned = tuning.choose_all_gather_matmul(dtype=jnp.dtype(x.dtype).name, tp=tp,
-                                          rows=batch * tp * m, n=n, sms=_runtime.sm_count(),
+                                          rows=batch * tp * m, k=k, n=n,
+                                          sms=_runtime.sm_count(),
                                           shard_rows=m)
   out_types = [jax.ShapeDtypeStruct(x.shape[:-2] + (tp * m, n), x.dtype)]
   if want_gathered:
@@ -140,7 +141,8 @@ def all_gather_matmul_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str,
   batch = math.prod(x.shape[:-2])
   shard_bytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
   tuned = tuning.choose_all_gather_matmul(dtype=jnp.dtype(x.dtype).name, tp=tp,
-                                          rows=batch * tp * m, n=n, sms=_runtime.sm_count(),
+                                          rows=batch * tp * m, k=k, n=n,
+                                          sms=_runtime.sm_count(),
                                           shard_rows=m)
   out_types = [jax.ShapeDtypeStruct(x.shape[:-2] + (tp * m, n), jnp.dtype(out_dtype))]
   if want_gathered:

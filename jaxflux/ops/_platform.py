@@ -2,9 +2,10 @@
 operands. Each reason is a sentence for an error message, or None."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
-from jaxflux import _runtime
+from jaxflux import _runtime, tuning
 from jaxflux.ops import _common, _mesh
 
 
@@ -38,7 +39,11 @@ def platform_reason(axis_name: str | None = None) -> str | None:
   if axis_name is not None and (reason := non_manual_axis_reason(axis_name)) is not None:
     return reason
   if _runtime.multi_process():
-    return multi_process_reason(len(_runtime.local_gpus()), _runtime.host_slots, axis_name)
+    reason = multi_process_reason(len(_runtime.local_gpus()), _runtime.host_slots, axis_name)
+    if reason is None and axis_name is not None:
+      reason = tuning_agreement_reason(_runtime.host_slots().host_of_process,
+                                       _runtime.published)
+    return reason
   return None
 
 
@@ -82,6 +87,22 @@ def multi_process_reason(local_gpus: int, host_slots, axis_name: str | None = No
             "that at trace time from the concrete mesh, which shard_map(mesh=...) alone does "
             "not show. Run the jitted function under `with jax.set_mesh(mesh):`.")
   return axis_hosts_reason(mesh, axis_name, lambda d: slots.host_of_process[d.process_index])
+
+
+def tuning_agreement_reason(host_of_process: dict, published) -> str | None:
+  """Why the processes of this host would choose different kernels for one fused call (their
+  kernel tables differ), or None. published(name, value) -> every process's value."""
+  me = jax.process_index()
+  digests = published("tuning_tables", tuning.active_tables().digest)
+  others = sorted(pid for pid, digest in digests.items()
+                  if host_of_process[pid] == host_of_process[me] and digest != digests[me])
+  if not others:
+    return None
+  return (f"the processes of this host read different kernel tables (process {me}: "
+          f"{digests[me]}; processes {others} differ), and every rank of a fused op must "
+          "choose the same kernels. Give every process the same tuning dir "
+          "(JAXFLUX_TUNING_DIR) and GPU kind; `python -m jaxflux.tune --show` in each says "
+          "which tables it reads.")
 
 
 def axis_hosts_reason(mesh, axis_name: str, host_of_device) -> str | None:

@@ -79,7 +79,7 @@ def attributes(kernel: str, dtype, rows: int, k: int, n: int,
   itemsize = jnp.dtype(dtype).itemsize if out_itemsize is None else out_itemsize
   attrs = {"kernel": KERNELS[kernel], "tile": 0, "own_rows_schedule": 0, "push_chunks": 0}
   if kernel == "all_gather_matmul":
-    choice = tuning.choose_all_gather_matmul(dtype=name, tp=2, rows=rows, n=n,
+    choice = tuning.choose_all_gather_matmul(dtype=name, tp=2, rows=rows, k=k, n=n,
                                              sms=_runtime.sm_count(),
                                              shard_rows=rows // 2 if rows % 2 == 0 else 0).choice
     attrs.update(tile=tuning.AG_TILES.index(choice.tile), swizzle=choice.swizzle)

@@ -1,8 +1,12 @@
-"""The measured kernel choices of the fused ops, as data: ENTRIES (which tile, schedule, swizzle
-and reduction each shape class runs) and AUTO_RULES (where impl="auto" takes the fused kernel).
+"""The sm90 defaults of the fused ops' kernel choices, as data: ENTRIES (which tile, schedule,
+swizzle and reduction each shape class runs) and AUTO_RULES (where impl="auto" takes the fused
+kernel).
 
-Each record names the result files under benchmarks/results/ that back it (`evidence`) and says
-why in a sentence or two (`why`). jaxflux.tuning classifies shapes and looks records up here.
+These are the choices for every sm90 GPU: where a GEMM choice was measured on more than one kind
+of GPU, the one best on all of them (the H100 SXM and H200 tuning sweeps). A device table
+(tables.py, tables/) replaces the GEMM fields with what was fastest on its own kind. Each record
+names the result files under benchmarks/results/ that back it (`evidence`) and says why in a
+sentence or two (`why`). jaxflux.tuning classifies shapes and looks records up here.
 """
 from __future__ import annotations
 
@@ -39,10 +43,10 @@ _AR = "matmul_all_reduce"
 # FP8 calls take the same entries. In the FP8 sweep (e4m3, run `table` of h200_fp8_gemm.json)
 # the 16-bit choices were within 1.1% of the fastest candidate on 27 of the 32 rows and within
 # 3.3% on 30; one config measured twice in that run differed by up to 7% (gpt3-qkv M=8192). The
-# one row where another choice was clearly faster is llama70b-fc2 M=16384: cooperative own rows
-# 5.5% ahead of the table's ping-pong, as on every 16-bit `chunked` row of h200_gemm_candidates.json
-# (docs/design.md, "The tuning sweep": that conflict is open for both dtypes).
+# one row where another choice was clearly faster, llama70b-fc2 M=16384 (cooperative own rows
+# 5.5% ahead of ping-pong), now runs cooperative own rows too.
 _FP8 = "h200_fp8_gemm.json"
+_SWEEPS = ("h200_gemm_candidates.json", "h100_gemm_candidates.json")
 
 # The all-gather GEMM's choices other than the tile: swizzle 4 and the own rows read from x.
 _AG_REST = {"swizzle": 4, "local_read": "direct"}
@@ -71,11 +75,12 @@ _EPILOGUE_CLASSES = {
         "own-rows GEMM's epilogue sums it without stalling, saving the reduction pass; picked "
         "the faster mode in 15 of 16 measured cases, the other within 0.5%."),
     "chunked": (
-        "chunked", "pingpong", "h200_gemm_rs_own_rows_schedule.json",
+        "chunked", "cooperative", "h200_gemm_rs_own_rows_schedule.json",
         "The partial goes in 4 flagged row chunks, so the epilogue waits for a quarter of the "
-        "push (5-7% faster than one push on llama70b-out from 4096 tokens); ping-pong 128x128 "
-        "tiles overlap one warp group's C read with the other's mainloop, 0.90-0.99x "
-        "cooperative's time at K_local <= 14336 (N-major and K-major weights)."),
+        "push (5-7% faster than one push on llama70b-out from 4096 tokens). Cooperative "
+        "128x256 own-rows tiles: the tuning sweeps measured ping-pong 128x128 slower on every "
+        "such row, by 1.8-7.6% on H200 and by 11-27% on H100 SXM (an earlier host-clock run "
+        "on H200 had it 1-10% ahead; the device-clock sweeps time both side by side)."),
     "chunked_long_k": (
         "chunked", "cooperative", "h200_gemm_rs_own_rows_schedule.json",
         "Chunked push as for K_local <= 16384, but at K_local 24576 ping-pong measured "
@@ -89,7 +94,7 @@ def _rs_epilogue_entries():
   for base, (push, schedule, evidence, why) in _EPILOGUE_CLASSES.items():
     for rows, swizzle in _ROWS_SWIZZLE.items():
       files = (evidence,) + (("h200x2_gemm_rs_own_rows_swizzle.json",)
-                             if rows == "rows_ge_2048" else ()) + (_FP8,)
+                             if rows == "rows_ge_2048" else ()) + _SWEEPS + (_FP8,)
       yield Entry(_RS, "sm90", "*", 2, f"{base}.{rows}",
                   {"reduce": "epilogue", "push": push, "own_rows_schedule": schedule,
                    "own_rows_swizzle": swizzle, "peer_rows_swizzle": 1},
@@ -101,16 +106,18 @@ _PASS = {"reduce": "pass", "push": "whole", "own_rows_schedule": "cooperative",
 
 ENTRIES = (
     Entry(_AG, "sm90", "*", "*", "few_waves",
-          {"tile": "pingpong_128x128_cluster1x2", **_AG_REST},
+          {"tile": "cooperative_128x256_cluster2x1", **_AG_REST},
           ("h200x2_ag_gemm_tile_configs.json", "h200x2_ag_gemm_swizzle_and_local_read.json",
-           "h200_gemm_candidates.json", _FP8),
+           *_SWEEPS, _FP8),
           "Under 4 waves of 128x256 tiles the last, partly empty wave costs more than the big "
-          "tile saves; the 128x128 ping-pong tile (twice the tiles, a smaller last wave) won on "
-          "llama70b-qkv at 2048 tokens (320 tiles on 132 SMs)." + _AG_REST_WHY),
+          "tile saves, and the 128x128 ping-pong tile (twice the tiles, a smaller last wave) "
+          "won on H200 (llama70b-qkv at 2048 tokens, 320 tiles on 132 SMs: 1.13x cuBLAS against "
+          "1.16x) but lost on H100 SXM (1.28x against 1.17x): the cooperative tile is the better "
+          "of the two on both, and the H200 table keeps ping-pong." + _AG_REST_WHY),
     Entry(_AG, "sm90", "*", "*", "many_waves",
           {"tile": "cooperative_128x256_cluster2x1", **_AG_REST},
           ("h200x2_ag_gemm_tile_configs.json", "h200x2_ag_gemm_swizzle_and_local_read.json",
-           "h200_gemm_candidates.json", _FP8),
+           *_SWEEPS, _FP8),
           "With the cooperative 128x256 tile and a 2x1 cluster the fused op was the fastest "
           "of the tile configs on every benchmark row with 4 or more waves of tiles." +
           _AG_REST_WHY),

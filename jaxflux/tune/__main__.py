@@ -1,0 +1,5 @@
+import sys
+
+from jaxflux.tune.cli import main
+
+sys.exit(main())
