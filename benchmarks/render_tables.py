@@ -109,6 +109,8 @@ GEMM_FILES = (("h200_gemm_table.json", "ag_gemm", "AG+GEMM", None),
               ("h200_gemm_table.json", "gemm_rs", "GEMM+RS", None),
               ("h200_gemm_all_reduce.json", "gemm_ar", "GEMM+AR, M > 128", lambda m: m > 128),
               ("h200_gemm_decode.json", "gemm_ar", "GEMM+AR, M ≤ 128", lambda m: m <= 128))
+H100_GEMM_FILES = (("h100_gemm_table.json", "ag_gemm", "AG+GEMM", None),
+                   ("h100_gemm_table.json", "gemm_rs", "GEMM+RS", None))
 
 
 def _decode_rates(rows: list[dict]) -> str:
@@ -133,11 +135,11 @@ def _ratio_cell(rows: list[dict], key: str) -> str:
   return f"{statistics.fmean(p for p, _ in pairs):.3f} ({worst[0]:.3f}, {worst[1]})"
 
 
-def render_gemm(results: pathlib.Path) -> str:
+def render_gemm(results: pathlib.Path, files=GEMM_FILES) -> str:
   lines = ["| GEMM of (per device, tp=2) | rows | GEMM-only / cuBLAS: mean (worst) | "
            "own rows + C / cuBLAS + C: mean (worst) |", "|---|---|---|---|"]
   notes, decode = [], ""
-  for name, of, label, which in GEMM_FILES:
+  for name, of, label, which in files:
     data = load(results, name)
     if data is None:
       note = NOT_MEASURED.format(f"benchmarks/results/{name}").rstrip("\n")
@@ -175,7 +177,9 @@ def render_train(results: pathlib.Path) -> str:
   return "\n".join(lines) + f"\n\n`benchmarks/results/{name}`: {_provenance(data['runs'][0])}.\n"
 
 
-RENDERERS = {"ops_h200x2": render_ops, "gemm_h200": render_gemm, "train_h200x2": render_train}
+RENDERERS = {"ops_h200x2": render_ops, "gemm_h200": render_gemm,
+             "gemm_h100": lambda results: render_gemm(results, H100_GEMM_FILES),
+             "train_h200x2": render_train}
 
 
 def render_text(text: str, results: pathlib.Path = RESULTS) -> str:

@@ -44,6 +44,7 @@ def test_readme_keeps_the_two_commands_and_the_table_markers():
 
 
 def test_readme_names_only_existing_environment_variables():
-  # JAXFLUX_CUDA (build) and JAXFLUX_DEBUG (runtime) are the only ones there are.
+  # JAXFLUX_CUDA (build), JAXFLUX_DEBUG (runtime) and JAXFLUX_TUNING_DIR (where device tables
+  # are read) are the only ones there are.
   names = set(re.findall(r"JAXFLUX_[A-Z0-9_]+", README.read_text()))
-  assert names <= {"JAXFLUX_CUDA", "JAXFLUX_DEBUG"}, names
+  assert names <= {"JAXFLUX_CUDA", "JAXFLUX_DEBUG", "JAXFLUX_TUNING_DIR"}, names
