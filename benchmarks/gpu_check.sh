@@ -2,8 +2,10 @@
 # Builds jaxflux with CUDA, then runs the selected stages on the local GPUs. From the repository
 # root on a Hopper machine, with the CUTLASS wheel in .whl/:
 #   STAGES="tests tables train" bash benchmarks/gpu_check.sh [OUTDIR]   (OUTDIR: $OUT, else
-#   /tmp/jaxflux_gpu; every result and log goes there)
-# Stages (default: all three; keep each call under the machine's time limit by picking stages):
+#   /tmp/jaxflux_gpu; every result and log goes there; result files are named after the GPU,
+#   h100_* or h200_*)
+# Stages (default: tests, tables and train; keep each call under the machine's time limit by
+# picking stages):
 #   tests   the GPU-marked tests of the tiers in GPU_TIERS (default: quick), one pytest run each:
 #             quick    -m "gpu and not slow": every kernel once, each fused op once across two
 #                      processes sharing a GPU, the layers' fused path training on one GPU.
@@ -18,11 +20,14 @@
 #           PYTEST_K replaces the tier's -k (e.g. GPU_TIERS=ops PYTEST_K=fuzz_across).
 #           gpu_tests_<tier>.xml (JUnit) holds what tests record, e.g. test_fp8_gpu.py's error
 #           per case.
-#   tables  the benchmark tables: the single-GPU GEMM tables (h200_gemm_table.json,
-#           h200_gemm_all_reduce.json, h200_gemm_decode.json, and the FP8 one,
-#           h200_fp8_gemm.json); with two or more
+#   tune    python -m jaxflux.tune on this GPU (about 5 minutes on an H100): its table and sweep
+#           as <gpu>_tune_table.json and <gpu>_tune_table.sweep.json, for
+#           jaxflux/tuning/tables/ and benchmarks/results/
+#   tables  the benchmark tables: the single-GPU GEMM tables (<gpu>_gemm_table.json,
+#           <gpu>_gemm_all_reduce.json, <gpu>_gemm_decode.json, and the FP8 one,
+#           <gpu>_fp8_gemm.json); with two or more
 #           GPUs also both fused ops and the all-gather against XLA at tp=2. TABLES narrows
-#           them by output name (e.g. TABLES=h200_fp8_gemm).
+#           them by output name (e.g. TABLES=h100_fp8_gemm).
 #   train   the training example (llama70b-8l preset, $TRAIN_STEPS steps, default 60) in modes
 #           jaxflux, xla and windowed; needs two GPUs
 # PREBUILT=1 skips the build and runs the extension module already in jaxflux/ (built by an
@@ -52,6 +57,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 GPUS=$(python3 -c "import jax, jaxflux; assert jaxflux.has_cuda(); print(jax.device_count())") \
   || { echo "no CUDA build of jaxflux or no GPU"; exit 1; }
 echo "GPUs: $GPUS"
+GPU_NAME=$(python3 -c "
+import jax
+kind = jax.devices()[0].device_kind
+print(next((n for n in ('h100', 'h200') if n in kind.lower()), 'gpu'))")
 
 tier() {  # the pytest selection of a test tier, as arguments
   local gpu=(-m gpu) kernels=(tests/test_gemm_gpu.py tests/test_fp8_gpu.py tests/test_fuzz_gpu.py
@@ -94,20 +103,26 @@ bench() {  # output name, then the benchmark's arguments; prints the table's lin
   sed -n '/^\(of \|name\)/,$p' "$OUTDIR/$name.log"
 }
 
+if stage tune; then
+  timeout "${TUNE_TIMEOUT:-540}" python3 -m jaxflux.tune --out "$OUTDIR/${GPU_NAME}_tune_table.json" \
+    > "$OUTDIR/tune.log" 2> "$OUTDIR/tune.err" || status=1
+  tail -4 "$OUTDIR/tune.log"; tail -c 300 "$OUTDIR/tune.err"; echo
+fi
+
 if stage tables; then
-  bench h200_gemm_table --op gemm --of ag_gemm,gemm_rs
-  bench h200_gemm_all_reduce --op gemm --of gemm_ar
-  bench h200_gemm_decode --op gemm --of gemm_ar --M 1,8,16,32,64,128
+  bench ${GPU_NAME}_gemm_table --op gemm --of ag_gemm,gemm_rs
+  bench ${GPU_NAME}_gemm_all_reduce --op gemm --of gemm_ar
+  bench ${GPU_NAME}_gemm_decode --op gemm --of gemm_ar --M 1,8,16,32,64,128
   # XLA compiles and autotunes each new FP8 shape for 10-40 s: the 32 rows need more than one
   # call's time on a fresh machine; FP8_OF / FP8_M narrow them (e.g. FP8_OF=ag_gemm FP8_M=2048,4096).
-  bench h200_fp8_gemm --op gemm --of "${FP8_OF:-ag_gemm,gemm_rs}" ${FP8_M:+--M "$FP8_M"} \
+  bench ${GPU_NAME}_fp8_gemm --op gemm --of "${FP8_OF:-ag_gemm,gemm_rs}" ${FP8_M:+--M "$FP8_M"} \
     --dtype float8_e4m3fn --variants xla_fp8_fast,fp8_gemm_only,quantize
   if (( GPUS >= 2 )); then
     for op in ag_gemm gemm_rs; do
-      bench "h200x2_${op}_tp2" --op $op --tp 2 --M 2048,4096,8192 \
+      bench "${GPU_NAME}x2_${op}_tp2" --op $op --tp 2 --M 2048,4096,8192 \
         --variants gemm,gemm_only,xla,jaxflux,auto
     done
-    bench h200x2_all_gather_tp2 --op all_gather --tp 2 --sizes-mib 16,32,64,128,256
+    bench ${GPU_NAME}x2_all_gather_tp2 --op all_gather --tp 2 --sizes-mib 16,32,64,128,256
   fi
 fi
 
