@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxflux
-from jaxflux import _runtime
+from jaxflux import _runtime, tuning
 from jaxflux.ops import _fused, _platform
 from conftest import make_mesh, mesh_of
 
@@ -271,21 +271,21 @@ def test_fused_calls_the_fp8_entry_with_normalized_scales(fake_gpu, monkeypatch,
   monkeypatch.setattr(_runtime, "ensure_workspace", lambda nbytes: 0)
   seen = {}
 
-  def ag_entry(x, w, rows, cols, axis_name, want_gathered, *, out_dtype):
+  def ag_entry(x, w, rows, cols, axis_name, want_gathered, *, out_dtype, config):
     seen.update(x=x.shape, w=w.shape, rows=(rows.shape, rows.dtype), cols=(cols.shape, cols.dtype),
-                out=out_dtype, axis=axis_name, want=want_gathered)
+                out=out_dtype, axis=axis_name, want=want_gathered, config=config)
     y = jnp.zeros(x.shape[:-2] + (2 * x.shape[-2], w.shape[0]), out_dtype)
     return y, (jnp.zeros(x.shape[:-2] + (2 * x.shape[-2], x.shape[-1]), x.dtype)
                if want_gathered else None)
 
-  def rs_entry(x, w, rows, cols, axis_name, *, out_dtype):
+  def rs_entry(x, w, rows, cols, axis_name, *, out_dtype, config):
     seen.update(x=x.shape, w=w.shape, rows=(rows.shape, rows.dtype), cols=(cols.shape, cols.dtype),
-                out=out_dtype, axis=axis_name)
+                out=out_dtype, axis=axis_name, config=config)
     return jnp.zeros(x.shape[:-2] + (x.shape[-2] // 2, w.shape[0]), out_dtype)
 
-  def ar_entry(x, w, rows, cols, axis_name, *, out_dtype):
+  def ar_entry(x, w, rows, cols, axis_name, *, out_dtype, config):
     seen.update(x=x.shape, w=w.shape, rows=(rows.shape, rows.dtype), cols=(cols.shape, cols.dtype),
-                out=out_dtype, axis=axis_name)
+                out=out_dtype, axis=axis_name, config=config)
     return jnp.zeros(x.shape[:-1] + (w.shape[0],), out_dtype)
 
   monkeypatch.setattr(_fused, "all_gather_matmul_fp8", ag_entry, raising=False)
@@ -298,6 +298,11 @@ def test_fused_calls_the_fp8_entry_with_normalized_scales(fake_gpu, monkeypatch,
               **extra)
   assert seen["x"] == (2, 8, 64) and seen["w"] == (32, 64) and seen["axis"] == "tp"
   assert seen["rows"] == ((2, 8, 1), F32) and seen["cols"] == ((1, 32), F32)
+  # The plan's kernel configuration, chosen once for the op's class.
+  choice_types = {"ag": tuning.AllGatherMatmulChoice, "rs": tuning.MatmulReduceScatterChoice,
+                  "ar": tuning.MatmulAllReduceChoice}
+  assert isinstance(seen["config"], tuning.Tuned)
+  assert isinstance(seen["config"].choice, choice_types[op])
   assert seen["out"] == jnp.bfloat16
   if op == "ag":
     assert seen["want"] is True

@@ -53,7 +53,7 @@ def _ag_forward(x, w, rows, cols, plan, want_gathered):
   if plan.kernel == "fused":
     # The plan only resolves "fused" with transpose_w: the kernel's w is [n, K], K-major.
     return _fused.all_gather_matmul_fp8(x, w, rows, cols, plan.axis_name, want_gathered,
-                                        out_dtype=plan.out_dtype)
+                                        out_dtype=plan.out_dtype, config=plan.config)
   axis = x.ndim - 2
   x_full = lax.all_gather(x, plan.axis_name, axis=axis, tiled=True)
   # The scales travel with their rows: each rank's shard keeps the scale it was quantized with.
@@ -66,7 +66,7 @@ def _ag_forward(x, w, rows, cols, plan, want_gathered):
 def _rs_forward(x, w, rows, cols, plan):
   if plan.kernel == "fused":
     return _fused.matmul_reduce_scatter_fp8(x, w, rows, cols, plan.axis_name,
-                                            out_dtype=plan.out_dtype)
+                                            out_dtype=plan.out_dtype, config=plan.config)
   partial = scaled_matmul(x, w, rows, cols, precision=plan.precision,
                           transpose_w=plan.transpose_w)
   # The reference sums the float32 partials; the fused kernel sums bfloat16 partials.
@@ -77,7 +77,7 @@ def _rs_forward(x, w, rows, cols, plan):
 def _ar_forward(x, w, rows, cols, plan):
   if plan.kernel == "fused":
     return _fused.matmul_all_reduce_fp8(x, w, rows, cols, plan.axis_name,
-                                        out_dtype=plan.out_dtype)
+                                        out_dtype=plan.out_dtype, config=plan.config)
   partial = scaled_matmul(x, w, rows, cols, precision=plan.precision,
                           transpose_w=plan.transpose_w)
   # As for the reduce-scatter: float32 partials here, bfloat16 partials in the fused kernel.

@@ -1,5 +1,6 @@
 """The fused FFI calls of the ops (per-device view, inside shard_map): output types, workspace
-bytes, and the tuning choice (jaxflux.tuning, resolved here once per call) as attributes.
+bytes, and the kernel configuration (`config`: the op plan's, chosen once by _config) as
+attributes.
 
 Every result is typed like the XLA path's (its varying mesh axes), which a custom_vjp's
 backward needs. At tp=1 there is nothing to gather or reduce: the op is its GEMM alone, the
@@ -13,35 +14,35 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxflux import _runtime, tuning
-from jaxflux.ops import _attributes, _common, _group_call, gemm
+from jaxflux import tuning
+from jaxflux.ops import _attributes, _common, _config, _group_call, gemm
 
 # The GEMM-only kernel an op runs at tp=1: GEMM+AllReduce's GEMM is a plain GEMM tuned by rows.
 TP1_KERNEL = "matmul_all_reduce"
 
 
 def all_gather_matmul(x, w, axis_name: str, want_gathered: bool, *, transpose_w: bool = False,
-                      debug_skip_rank: int = -1):
+                      config: tuning.Tuned | None = None, debug_skip_rank: int = -1):
   """(y, x_full or None) from the jaxflux_all_gather_matmul target (xla_ffi/ffi/ag_gemm.cc).
 
   transpose_w: w is [n, K] and the kernel multiplies by wᵀ, reading w K-major.
   debug_skip_rank: test hook; that rank never signals its peers, so they time out.
   """
   tp = lax.axis_size(axis_name)
+  if config is None:  # called directly (tests, tools): chosen as the op's plan would
+    config = _config.choose("all_gather_matmul", x, w, tp=tp, transpose_w=transpose_w,
+                            out_dtype=x.dtype)
   # Typed like the XLA path's results: varying along the gathered axis and wherever x, w vary.
   axes = _common.vma(x) | _common.vma(w) | {axis_name}
   if tp == 1:
-    y = gemm.call(x, w, kernel=TP1_KERNEL, transpose_w=transpose_w, out_dtype=x.dtype)
+    y = gemm.call(x, w, kernel=TP1_KERNEL, choice=config.choice, transpose_w=transpose_w,
+                  out_dtype=x.dtype)
     return _common.mark_varying(y, axes), (_common.mark_varying(x, axes) if want_gathered
                                            else None)
   shard_bytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
   m, k = x.shape[-2:]
   n = w.shape[0] if transpose_w else w.shape[1]
   batch = math.prod(x.shape[:-2])
-  tuned = tuning.choose_all_gather_matmul(dtype=jnp.dtype(x.dtype).name, tp=tp,
-                                          rows=batch * tp * m, k=k, n=n,
-                                          sms=_runtime.sm_count(),
-                                          shard_rows=m)
   out_types = [jax.ShapeDtypeStruct(x.shape[:-2] + (tp * m, n), x.dtype)]
   if want_gathered:
     out_types.append(jax.ShapeDtypeStruct(x.shape[:-2] + (tp * m, k), x.dtype))
@@ -49,43 +50,45 @@ def all_gather_matmul(x, w, axis_name: str, want_gathered: bool, *, transpose_w:
   outs = _group_call.call(
       "all_gather_matmul", out_types, (x, w), axis_name,
       2 * _group_call.slot_bytes(tp * shard_bytes), debug_skip_rank=debug_skip_rank,
-      transpose_w=int(transpose_w), **_attributes.all_gather_matmul(tuned.choice, m))
+      transpose_w=int(transpose_w), **_attributes.all_gather_matmul(config.choice, m))
   outs = [_common.mark_varying(o, axes) for o in outs]
   return outs[0], (outs[1] if want_gathered else None)
 
 
 def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
-                          debug_skip_rank: int = -1):
+                          config: tuning.Tuned | None = None, debug_skip_rank: int = -1):
   """z from the jaxflux_matmul_reduce_scatter target (xla_ffi/ffi/gemm_rs.cc).
 
   transpose_w: w is [N, k] and the kernel multiplies by wᵀ, reading w K-major.
   debug_skip_rank: test hook; that rank never signals its peers, so they time out.
   """
   tp = lax.axis_size(axis_name)
+  if config is None:  # called directly (tests, tools): chosen as the op's plan would
+    config = _config.choose("matmul_reduce_scatter", x, w, tp=tp, transpose_w=transpose_w,
+                            out_dtype=x.dtype)
   # Typed like the XLA path's result: varying along the scattered axis and wherever x, w vary.
   axes = _common.vma(x) | _common.vma(w) | {axis_name}
   if tp == 1:
-    z = gemm.call(x, w, kernel=TP1_KERNEL, transpose_w=transpose_w, out_dtype=x.dtype)
+    z = gemm.call(x, w, kernel=TP1_KERNEL, choice=config.choice, transpose_w=transpose_w,
+                  out_dtype=x.dtype)
     return _common.mark_varying(z, axes)
   m = x.shape[-2] // tp
   k = x.shape[-1]
   n = w.shape[0] if transpose_w else w.shape[1]
   batch = math.prod(x.shape[:-2])
   itemsize = jnp.dtype(x.dtype).itemsize
-  tuned = tuning.choose_matmul_reduce_scatter(dtype=jnp.dtype(x.dtype).name, tp=tp, batch=batch,
-                                              m=m, k=k, n=n, itemsize=itemsize)
   partial_bytes = batch * m * n * itemsize
   # Two parities of [tp receive slots, tp staging slots].
   z = _group_call.call(
       "matmul_reduce_scatter", jax.ShapeDtypeStruct(x.shape[:-2] + (m, n), x.dtype), (x, w),
       axis_name, 2 * 2 * tp * _group_call.slot_bytes(partial_bytes),
       debug_skip_rank=debug_skip_rank, transpose_w=int(transpose_w),
-      **_attributes.matmul_reduce_scatter(tuned.choice))
+      **_attributes.matmul_reduce_scatter(config.choice))
   return _common.mark_varying(z, axes)
 
 
 def matmul_all_reduce(x, w, axis_name: str, *, transpose_w: bool = False,
-                      debug_skip_rank: int = -1):
+                      config: tuning.Tuned | None = None, debug_skip_rank: int = -1):
   """y = psum(x @ w) from the jaxflux_matmul_all_reduce target: each rank's partial product goes
   to its peers' receive slots, and every rank ends with the same sum.
 
@@ -93,24 +96,26 @@ def matmul_all_reduce(x, w, axis_name: str, *, transpose_w: bool = False,
   debug_skip_rank: test hook; that rank never signals its peers, so they time out.
   """
   tp = lax.axis_size(axis_name)
+  if config is None:  # called directly (tests, tools): chosen as the op's plan would
+    config = _config.choose("matmul_all_reduce", x, w, tp=tp, transpose_w=transpose_w,
+                            out_dtype=x.dtype)
   # Typed like the XLA path's psum: invariant along the summed axis, varying wherever else x or
   # w vary.
   axes = (_common.vma(x) | _common.vma(w)) - {axis_name}
   if tp == 1:
-    y = gemm.call(x, w, kernel=TP1_KERNEL, transpose_w=transpose_w, out_dtype=x.dtype)
+    y = gemm.call(x, w, kernel=TP1_KERNEL, choice=config.choice, transpose_w=transpose_w,
+                  out_dtype=x.dtype)
     return _common.mark_varying(y, axes)
   m, k = x.shape[-2:]
   n = w.shape[0] if transpose_w else w.shape[1]
   batch = math.prod(x.shape[:-2])
   itemsize = jnp.dtype(x.dtype).itemsize
-  tuned = tuning.choose_matmul_all_reduce(dtype=jnp.dtype(x.dtype).name, tp=tp, batch=batch,
-                                          m=m, k=k, n=n, itemsize=itemsize)
   # Two parities of tp receive slots, each holding one rank's whole partial [..., M, N].
   y = _group_call.call(
       "matmul_all_reduce", jax.ShapeDtypeStruct(x.shape[:-1] + (n,), x.dtype), (x, w),
       axis_name, 2 * tp * _group_call.slot_bytes(batch * m * n * itemsize),
       debug_skip_rank=debug_skip_rank, transpose_w=int(transpose_w),
-      **_attributes.matmul_all_reduce(tuned.choice))
+      **_attributes.matmul_all_reduce(config.choice))
   return _common.mark_varying(y, axes)
 
 
@@ -125,25 +130,25 @@ def _fp8_scales(x_scale_rows, w_scale_cols) -> tuple:
 
 
 def all_gather_matmul_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str,
-                          want_gathered: bool, *, out_dtype, debug_skip_rank: int = -1):
+                          want_gathered: bool, *, out_dtype,
+                          config: tuning.Tuned | None = None, debug_skip_rank: int = -1):
   """(y, x_full or None) for FP8 x [..., m, K] and w [n, K] (K-major): y = all_gather(x ·
   x_scale_rows) · (w · w_scale_cols)ᵀ in out_dtype (bfloat16); x_full in x's dtype. The row
   scales [..., m, 1] travel with x (the kernel gathers them beside it)."""
   tp = lax.axis_size(axis_name)
+  if config is None:  # called directly (tests, tools): chosen as the op's plan would
+    config = _config.choose("all_gather_matmul", x, w, tp=tp, transpose_w=True,
+                            out_dtype=out_dtype)
   axes = (_common.vma(x) | _common.vma(w) | _common.vma(x_scale_rows) | _common.vma(w_scale_cols)
           | {axis_name})
   if tp == 1:
-    y = _fp8_gemm(x, w, x_scale_rows, w_scale_cols, out_dtype)
+    y = _fp8_gemm(x, w, x_scale_rows, w_scale_cols, out_dtype, config)
     return _common.mark_varying(y, axes), (_common.mark_varying(x, axes) if want_gathered
                                            else None)
   m, k = x.shape[-2:]
   n = w.shape[0]
   batch = math.prod(x.shape[:-2])
   shard_bytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-  tuned = tuning.choose_all_gather_matmul(dtype=jnp.dtype(x.dtype).name, tp=tp,
-                                          rows=batch * tp * m, k=k, n=n,
-                                          sms=_runtime.sm_count(),
-                                          shard_rows=m)
   out_types = [jax.ShapeDtypeStruct(x.shape[:-2] + (tp * m, n), jnp.dtype(out_dtype))]
   if want_gathered:
     out_types.append(jax.ShapeDtypeStruct(x.shape[:-2] + (tp * m, k), x.dtype))
@@ -152,65 +157,71 @@ def all_gather_matmul_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str,
   outs = _group_call.call(
       "all_gather_matmul", out_types, (x, w), axis_name, 2 * half,
       scales=_fp8_scales(x_scale_rows, w_scale_cols), debug_skip_rank=debug_skip_rank,
-      transpose_w=1, **_attributes.all_gather_matmul(tuned.choice, m))
+      transpose_w=1, **_attributes.all_gather_matmul(config.choice, m))
   outs = [_common.mark_varying(o, axes) for o in outs]
   return outs[0], (outs[1] if want_gathered else None)
 
 
 def matmul_reduce_scatter_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str, *, out_dtype,
+                              config: tuning.Tuned | None = None,
                               debug_skip_rank: int = -1):
   """z = reduce_scatter((x · x_scale_rows) · (w · w_scale_cols)ᵀ) for FP8 x [..., M, k] and w
   [N, k] (K-major), in out_dtype (bfloat16); the partials pushed and summed are bfloat16."""
   tp = lax.axis_size(axis_name)
+  if config is None:  # called directly (tests, tools): chosen as the op's plan would
+    config = _config.choose("matmul_reduce_scatter", x, w, tp=tp, transpose_w=True,
+                            out_dtype=out_dtype)
   axes = (_common.vma(x) | _common.vma(w) | _common.vma(x_scale_rows) | _common.vma(w_scale_cols)
           | {axis_name})
   if tp == 1:
-    return _common.mark_varying(_fp8_gemm(x, w, x_scale_rows, w_scale_cols, out_dtype), axes)
+    y = _fp8_gemm(x, w, x_scale_rows, w_scale_cols, out_dtype, config)
+    return _common.mark_varying(y, axes)
   m = x.shape[-2] // tp
   k = x.shape[-1]
   n = w.shape[0]
   batch = math.prod(x.shape[:-2])
   out_itemsize = jnp.dtype(out_dtype).itemsize  # the partials' element
-  tuned = tuning.choose_matmul_reduce_scatter(dtype=jnp.dtype(x.dtype).name, tp=tp, batch=batch,
-                                              m=m, k=k, n=n, itemsize=out_itemsize)
   partial_bytes = batch * m * n * out_itemsize
   z = _group_call.call(
       "matmul_reduce_scatter", jax.ShapeDtypeStruct(x.shape[:-2] + (m, n), jnp.dtype(out_dtype)),
       (x, w), axis_name, 2 * 2 * tp * _group_call.slot_bytes(partial_bytes),
       scales=_fp8_scales(x_scale_rows, w_scale_cols), debug_skip_rank=debug_skip_rank,
-      transpose_w=1, **_attributes.matmul_reduce_scatter(tuned.choice))
+      transpose_w=1, **_attributes.matmul_reduce_scatter(config.choice))
   return _common.mark_varying(z, axes)
 
 
 def matmul_all_reduce_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str, *, out_dtype,
-                          debug_skip_rank: int = -1):
+                          config: tuning.Tuned | None = None, debug_skip_rank: int = -1):
   """y = psum((x · x_scale_rows) · (w · w_scale_cols)ᵀ) for FP8 x [..., M, k] and w [N, k]
   (K-major), in out_dtype (bfloat16), the same on every rank; the partials pushed and summed
   are bfloat16."""
   tp = lax.axis_size(axis_name)
+  if config is None:  # called directly (tests, tools): chosen as the op's plan would
+    config = _config.choose("matmul_all_reduce", x, w, tp=tp, transpose_w=True,
+                            out_dtype=out_dtype)
   # Typed like the XLA path's psum: invariant along the summed axis.
   axes = (_common.vma(x) | _common.vma(w) | _common.vma(x_scale_rows)
           | _common.vma(w_scale_cols)) - {axis_name}
   if tp == 1:
-    return _common.mark_varying(_fp8_gemm(x, w, x_scale_rows, w_scale_cols, out_dtype), axes)
+    y = _fp8_gemm(x, w, x_scale_rows, w_scale_cols, out_dtype, config)
+    return _common.mark_varying(y, axes)
   m, k = x.shape[-2:]
   n = w.shape[0]
   batch = math.prod(x.shape[:-2])
   out_itemsize = jnp.dtype(out_dtype).itemsize  # the partials' element
-  tuned = tuning.choose_matmul_all_reduce(dtype=jnp.dtype(x.dtype).name, tp=tp, batch=batch,
-                                          m=m, k=k, n=n, itemsize=out_itemsize)
   # Two parities of tp receive slots, each holding one rank's whole bfloat16 partial.
   y = _group_call.call(
       "matmul_all_reduce", jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.dtype(out_dtype)),
       (x, w), axis_name, 2 * tp * _group_call.slot_bytes(batch * m * n * out_itemsize),
       scales=_fp8_scales(x_scale_rows, w_scale_cols), debug_skip_rank=debug_skip_rank,
-      transpose_w=1, **_attributes.matmul_all_reduce(tuned.choice))
+      transpose_w=1, **_attributes.matmul_all_reduce(config.choice))
   return _common.mark_varying(y, axes)
 
 
-def _fp8_gemm(x, w, x_scale_rows, w_scale_cols, out_dtype):
+def _fp8_gemm(x, w, x_scale_rows, w_scale_cols, out_dtype, config):
   """An FP8 op at tp=1: the GEMM-only target on w [n, K], accumulating as the fused FP8
   kernels do."""
   fast = gemm.FP8_ACCUMULATE[jnp.dtype(x.dtype).name] == "fast"
-  return gemm.call(x, w, kernel=TP1_KERNEL, transpose_w=True, out_dtype=out_dtype,
+  return gemm.call(x, w, kernel=TP1_KERNEL, choice=config.choice, transpose_w=True,
+                   out_dtype=out_dtype,
                    scales=(x_scale_rows, w_scale_cols), fast_accum=int(fast))

@@ -1,5 +1,6 @@
 """One op call, validated once into a `Plan`: the argument checks, the FP8 scales normalized to
-rows and columns, the output dtype, and the implementation resolved (_dispatch). The op then
+rows and columns, the output dtype, the implementation resolved (_dispatch) and, for the fused
+kernel, its configuration chosen from this GPU's tables (_config). The op then
 runs the plan: the custom_vjp (_differentiable) or the forward-only FP8 call (_fp8), whose
 forward is the fused call (_fused, tp=1 included) or the XLA reference.
 
@@ -16,7 +17,7 @@ import numpy as np
 from jax import lax
 from jax.interpreters import ad, partial_eval as pe
 
-from jaxflux.ops import _common, _dispatch
+from jaxflux.ops import _common, _config, _dispatch
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 _F32 = jnp.dtype(jnp.float32)
@@ -35,6 +36,7 @@ class Plan:
   transpose_w: bool     # w given as [N, K]
   return_gathered: bool = False
   fp8: bool = False
+  config: Any = None    # the fused kernel's configuration (tuning.Tuned, _config); None: XLA
 
 
 def plan(op: str, x, w, axis_name, *, impl: str, preferred_element_type, precision,
@@ -59,7 +61,8 @@ def plan(op: str, x, w, axis_name, *, impl: str, preferred_element_type, precisi
   kernel = _dispatch.resolve(op, impl, x, w, out_dtype=out_dtype, tp=tp, axis_name=axis_name,
                              transpose_w=transpose_w, fp8=fp8)
   return Plan(op, axis_name, tp, impl, kernel, out_dtype, precision, transpose_w,
-              return_gathered, fp8), scales
+              return_gathered, fp8, _kernel_config(kernel, op, x, w, tp, transpose_w,
+                                                   out_dtype)), scales
 
 
 def partner(forward: Plan, op: str, x, w, *, out_dtype, transpose_w: bool,
@@ -70,7 +73,15 @@ def partner(forward: Plan, op: str, x, w, *, out_dtype, transpose_w: bool,
                              tp=forward.tp, axis_name=forward.axis_name, transpose_w=transpose_w,
                              fp8=False)
   return Plan(op, forward.axis_name, forward.tp, forward.impl, kernel, jnp.dtype(out_dtype),
-              forward.precision, transpose_w, return_gathered)
+              forward.precision, transpose_w, return_gathered, False,
+              _kernel_config(kernel, op, x, w, forward.tp, transpose_w, out_dtype))
+
+
+def _kernel_config(kernel: str, op: str, x, w, tp: int, transpose_w: bool, out_dtype):
+  """The fused kernel's configuration, chosen once here; None for the XLA path."""
+  if kernel != "fused":
+    return None
+  return _config.choose(op, x, w, tp=tp, transpose_w=transpose_w, out_dtype=out_dtype)
 
 
 # --- checks ----------------------------------------------------------------------------------

@@ -70,31 +70,34 @@ def _check_c(op: str, kernel: str, c, out_shape: tuple, dtype) -> None:
                      f"got {tuple(c.shape)} {c.dtype}.")
 
 
-def attributes(kernel: str, dtype, rows: int, k: int, n: int,
-               out_itemsize: int | None = None) -> dict:
-  """The jaxflux_gemm attributes of `kernel` for an [rows, k] @ [k, n] product (all rows of x),
-  tuned as the fused ops tune the same GEMM (transpose_w aside). out_itemsize: bytes of an
-  output element (the partials the ops push), default the input's."""
+def choose(kernel: str, dtype, rows: int, k: int, n: int, out_itemsize: int | None = None):
+  """The tuning choice of `kernel` for an [rows, k] @ [k, n] product (all rows of x), as the
+  fused ops tune the same GEMM (transpose_w aside). out_itemsize: bytes of an output element
+  (the partials the ops push), default the input's."""
   name = jnp.dtype(dtype).name
   itemsize = jnp.dtype(dtype).itemsize if out_itemsize is None else out_itemsize
+  if kernel == "all_gather_matmul":
+    return tuning.choose_all_gather_matmul(dtype=name, tp=2, rows=rows, k=k, n=n,
+                                           sms=_runtime.sm_count(),
+                                           shard_rows=rows // 2 if rows % 2 == 0 else 0).choice
+  if kernel == "matmul_all_reduce":  # as the fused op at tp=2 tunes an unbatched x of `rows`
+    return tuning.choose_matmul_all_reduce(dtype=name, tp=2, batch=1, m=rows, k=k, n=n,
+                                           itemsize=itemsize).choice
+  return tuning.choose_own_rows_gemm(dtype=name, rows=rows, k=k, n=n, itemsize=itemsize).choice
+
+
+def attributes(kernel: str, choice) -> dict:
+  """The jaxflux_gemm attributes of `kernel` run with `choice` (its op's tuning choice)."""
   attrs = {"kernel": KERNELS[kernel], "tile": 0, "own_rows_schedule": 0, "push_chunks": 0}
   if kernel == "all_gather_matmul":
-    choice = tuning.choose_all_gather_matmul(dtype=name, tp=2, rows=rows, k=k, n=n,
-                                             sms=_runtime.sm_count(),
-                                             shard_rows=rows // 2 if rows % 2 == 0 else 0).choice
     attrs.update(tile=tuning.AG_TILES.index(choice.tile), swizzle=choice.swizzle)
-  elif kernel == "matmul_all_reduce":  # as the fused op at tp=2 tunes an unbatched x of `rows`
-    choice = tuning.choose_matmul_all_reduce(dtype=name, tp=2, batch=1, m=rows, k=k, n=n,
-                                             itemsize=itemsize).choice
+  elif kernel == "matmul_all_reduce":
     attrs.update(tile=tuning.AR_TILES.index(choice.tile), swizzle=choice.swizzle)
+  elif kernel == "cutlass":
+    attrs.update(swizzle=choice.peer_rows_swizzle)
   else:
-    choice = tuning.choose_own_rows_gemm(dtype=name, rows=rows, k=k, n=n,
-                                         itemsize=itemsize).choice
-    if kernel == "cutlass":
-      attrs.update(swizzle=choice.peer_rows_swizzle)
-    else:
-      attrs.update(own_rows_schedule=tuning.OWN_ROWS_SCHEDULES.index(choice.own_rows_schedule),
-                   push_chunks=int(choice.push == "chunked"), swizzle=choice.own_rows_swizzle)
+    attrs.update(own_rows_schedule=tuning.OWN_ROWS_SCHEDULES.index(choice.own_rows_schedule),
+                 push_chunks=int(choice.push == "chunked"), swizzle=choice.own_rows_swizzle)
   attrs["grid_sms"] = choice.grid_sms
   return attrs
 
@@ -152,19 +155,20 @@ def gemm(x, w, *, kernel: str = "cutlass", c=None, transpose_w: bool = False, x_
   reason = _platform.platform_reason()
   if reason is not None:
     raise _common.FusedKernelUnavailableError(f"{op}(kernel={kernel!r}): {reason}")
-  return call(x, w, kernel=kernel, c=c, transpose_w=transpose_w, scales=scales, out_dtype=out,
-              fast_accum=fast_accum)
+  choice = choose(kernel, x.dtype, math.prod(x.shape[:-1]), x.shape[-1], n,
+                  out_itemsize=jnp.dtype(out).itemsize)
+  return call(x, w, kernel=kernel, choice=choice, c=c, transpose_w=transpose_w, scales=scales,
+              out_dtype=out, fast_accum=fast_accum)
 
 
-def call(x, w, *, kernel: str, transpose_w: bool, out_dtype, c=None, scales: tuple = (),
+def call(x, w, *, kernel: str, choice, transpose_w: bool, out_dtype, c=None, scales: tuple = (),
          fast_accum: int = 0):
   """The jaxflux_gemm FFI call on operands `gemm` (or an op at tp=1) has checked: x [..., M, K]
-  @ w [K, N] ([N, K] with transpose_w) (+ c), written in out_dtype, tuned as the fused ops tune
-  `kernel`. scales: FP8's x row and w column scales; fast_accum: FP8's accumulation."""
+  @ w [K, N] ([N, K] with transpose_w) (+ c), written in out_dtype, run with `choice` (the
+  tuning choice of `kernel`'s op, see `choose`). scales: FP8's x row and w column scales;
+  fast_accum: FP8's accumulation."""
   n = w.shape[0] if transpose_w else w.shape[1]
-  k = x.shape[-1]
-  rows = math.prod(x.shape[:-1])
-  attrs = attributes(kernel, x.dtype, rows, k, n, out_itemsize=jnp.dtype(out_dtype).itemsize)
+  attrs = attributes(kernel, choice)
   _runtime.register_targets()
   source = c if c is not None else jnp.zeros((8,), out_dtype)  # not read by kernels 0 and 1
   ffi_call = jax.ffi.ffi_call("jaxflux_gemm",
