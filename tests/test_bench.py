@@ -61,6 +61,7 @@ def _check_common(result, op):
 
 
 @pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs"])
+@pytest.mark.slow
 def test_gemm_ops(op, shapes_file, tmp_path):
   result = _run(op, shapes_file, tmp_path)
   row = _check_common(result, op)
@@ -146,6 +147,7 @@ def test_bad_arguments(shapes_file, tmp_path):
     bench.parse_args(["--op", "ag_gemm", "--variants", "bogus"])
 
 
+@pytest.mark.slow
 def test_windowed_child_merge(shapes_file, tmp_path, monkeypatch):
   # The child process normally runs on GPU only; the hook lets it run here (where XLA ignores
   # the windowed-einsum flags) so that the subprocess round trip and the merge are exercised.
@@ -342,6 +344,7 @@ def test_gemm_table_ratio_summary():
       gemm_table.format_gemm_table({"rows": rows, "summary": summary}))
 
 
+@pytest.mark.slow
 def test_gemm_table_run_with_fake_kernels(shapes_file, tmp_path, monkeypatch):
   from jaxflux.bench import gemm_table
   monkeypatch.setattr(gemm_table, "_gemm", _fake_gemm)

@@ -53,6 +53,7 @@ def test_candidate_names_round_trip_and_cover_the_table_options():
     tuning.candidates("matmul_all_reduce")
 
 
+@pytest.mark.slow
 def test_every_candidate_runs_under_its_override_against_the_reference(shapes_file, tmp_path,
                                                                        monkeypatch):
   seen = []
@@ -81,6 +82,7 @@ def test_every_candidate_runs_under_its_override_against_the_reference(shapes_fi
   assert "ag_gemm candidates (time / xla" in text and "best a M=64" in text
 
 
+@pytest.mark.slow
 def test_fp8_candidates_run_the_fp8_gemm_only_composition(shapes_file, tmp_path, monkeypatch):
   from jaxflux.ops import gemm as gemm_module
   seen = []

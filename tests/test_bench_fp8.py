@@ -108,6 +108,7 @@ def test_quantize_pass_uses_the_format_and_writes_the_weight_transposed(x_dtype)
     assert np.all(np.abs(got - want) <= (step * np.abs(want) + tiny * float(s)) * (1 + 1e-6))
 
 
+@pytest.mark.slow
 def test_fp8_table_run_with_fake_kernels(shapes_file, tmp_path, monkeypatch):
   calls = []
   monkeypatch.setattr(gemm_module, "gemm", _fake_gemm(calls))

@@ -226,6 +226,7 @@ def test_row_ratio_and_table_arithmetic():
 
 # --- end to end ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_run_without_the_fused_kernel(shapes_file, tmp_path):
   if not ON_CPU:
     pytest.skip("checks the reasons off GPU")

@@ -81,6 +81,7 @@ def test_rows_from_the_shapes_file():
 
 # --- the step and the checks --------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_step_is_value_and_grad_of_the_loss():
   """The variant's outputs: the loss terms and the gradients of mean(y * ct) + 0.01 * aux w.r.t.
   the params and x, as computed directly with the layer."""
@@ -192,6 +193,7 @@ def test_run_without_the_fused_kernel(shapes_file, tmp_path):
   assert sum(row["expert_rows"]) == 64 and row["warnings"] == []
 
 
+@pytest.mark.slow
 def test_run_with_a_stand_in_fused_kernel(shapes_file, tmp_path, monkeypatch):
   """impl="fused" replaced by the XLA path: the fused columns, the ratio and the checks fill in
   (zero differences: the same program), and the variants rotate the same input sets."""

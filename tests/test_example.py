@@ -86,6 +86,7 @@ def test_trains_and_matches_flax(example, extra, dp, tp):
   assert result["fused_calls"] == {}
 
 
+@pytest.mark.slow
 def test_fp8_matches_flax_fp8_and_tracks_the_run_without(example, capsys):
   """--fp8: Flax's FP8 recipe through jaxflux.Dense on the four tensor-parallel projections,
   on dp x tp with an Explicit dp axis. flax.linen.Dense with the same recipe follows the same
@@ -225,6 +226,7 @@ def test_rejects_impl_fused_where_no_fused_kernel_runs(example, capsys):
 
 
 @pytest.mark.parametrize("mode", ["xla", "windowed"])
+@pytest.mark.slow
 def test_modes_match_flax(example, mode):
   _require_devices(8)
   result = example.main(SMALL + ["--tp", "8", "--mode", mode, "--steps", "4"])
@@ -241,6 +243,7 @@ def test_modes_match_flax(example, mode):
   assert result["flax_step_ms_median"] > 0
 
 
+@pytest.mark.slow
 def test_output_names_the_path_and_keeps_compile_apart(example, capsys):
   """What a user reads: which path the matmuls took and why, the compile time on its own
   line, about ten progress lines per run instead of one per step, and the comparison."""
@@ -262,6 +265,7 @@ def test_output_names_the_path_and_keeps_compile_apart(example, capsys):
   assert result["step_ms"][0] < 1e3 * result["compile_s"], (result["step_ms"], result["compile_s"])
 
 
+@pytest.mark.slow
 def test_log_every(example, capsys):
   _require_devices(8)
   argv = [a for a in SMALL if a != "--quiet"] + ["--tp", "8", "--steps", "5", "--no-compare",
@@ -272,6 +276,7 @@ def test_log_every(example, capsys):
   assert steps == ["0", "3", "4"], steps
 
 
+@pytest.mark.slow
 def test_windowed_flags_as_script():
   """Run as a script, --mode windowed puts XLA's windowed-einsum flags into XLA_FLAGS before
   JAX starts (in-process, as above, it is too late); the CPU build of XLA accepts them."""
@@ -285,6 +290,7 @@ def test_windowed_flags_as_script():
       in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow
 def test_train_step_collectives(example):
   """Per layer, two column (qkv, fc1) and two row (out, fc2) layers: forward one all-gather
   per column and one reduce-scatter per row layer, backward the mirrored pair (the column
@@ -321,6 +327,7 @@ def test_moe_preset(example):
 
 
 @pytest.mark.parametrize("tp", [1, 4])
+@pytest.mark.slow
 def test_moe_trains_and_matches_the_ragged_dot_model(example, tp):
   """--moe: routed expert MLPs (jaxflux.MoE, experts split over tp inside each expert) in
   both models; the reference runs them on lax.ragged_dot, and the curves agree."""
@@ -331,6 +338,7 @@ def test_moe_trains_and_matches_the_ragged_dot_model(example, tp):
   assert result["max_rel_diff"] <= 1e-4 and result["ok"], (ours, ref)
 
 
+@pytest.mark.slow
 def test_preset_lr_warmup_starts_from_zero(example):
   """The preset ramps the learning rate up from 0, so the first update changes nothing: step
   1's loss is that of the initial parameters (a run with --lr 0), unlike a run without warm-up
@@ -346,6 +354,7 @@ def test_preset_lr_warmup_starts_from_zero(example):
   assert abs(moved[1] - frozen[1]) > 1e-3 * abs(frozen[1])
 
 
+@pytest.mark.slow
 def test_out_writes_a_json_record(example, tmp_path, capsys):
   import json
 

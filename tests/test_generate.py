@@ -117,6 +117,7 @@ def test_generates_as_flax_and_as_without_cache(gen, tmp_path, extra, dp, tp):
   assert record["vs_float32"] == vs
 
 
+@pytest.mark.slow
 def test_generates_a_batch_of_one(gen):
   """--batch 1 (dp = 1): the decode step's [1] -> [1, 1] tokens keep the batch's dp sharding,
   so the KV cache update types check; same tokens as flax.linen.Dense and as without a cache."""
@@ -152,6 +153,7 @@ def check_distance(d: dict, logits, tokens, result) -> None:
   assert all(math.isfinite(v) for v in d.values()), d
 
 
+@pytest.mark.slow
 def test_reports_the_distance_to_float32_in_bfloat16(gen, capsys, tmp_path):
   """bfloat16: each model's distance to the float32 flax.linen.Dense run on the same params. The
   reference is that run (the example's float32 tokens and logits); both models are near it (a
@@ -195,6 +197,7 @@ def fp8_meta(tree) -> dict:
   return out
 
 
+@pytest.mark.slow
 def test_fp8(gen, capsys):
   """--fp8: both models run Flax's FP8 recipe from calibrated variables (every forward tensor's
   amax recorded, as Flax's own recipe records it); generation works; FP8 moves the logits
@@ -294,6 +297,7 @@ def decode_hlo(gen, argv) -> str:
   return decode.as_text()
 
 
+@pytest.mark.slow
 def test_decode_step_collectives(gen):
   """Tensor parallelism without sequence parallelism: a decode step's only collectives are the
   row layers' all-reduces, two per layer (attention-out, MLP-fc2); the column layers multiply
@@ -381,6 +385,7 @@ def test_presets(gen):
   assert default.preset == "small" and default.hidden == 128 and default.dtype == "float32"
 
 
+@pytest.mark.slow
 def test_runs_as_a_script():
   """From the repository root, as the README says: the script finds the training example."""
   proc = subprocess.run([sys.executable, "examples/generate.py", "--help"], cwd=ROOT,

@@ -156,6 +156,7 @@ def guide_run(tmp_path_factory):
   return json.loads(line.removeprefix("GUIDE-CHECKS "))
 
 
+@pytest.mark.slow
 def test_guide_runs_on_8_cpu_devices(guide_run):
   assert guide_run["devices"] == 8 and guide_run["platform"] == "cpu"
 

@@ -108,6 +108,7 @@ def test_linen_matches_dense_reference(activation, num_experts, k, x_shape):
   assert_trees_close(grads, grads_ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_without_renormalized_top_k():
   params, x, y_ref, _, grads_ref = reference_run(5, 8, 2, "swiglu", (9, HIDDEN), False)
   y, _, grads = linen_run(jaxflux.MoE(8, 2, INTER, norm_topk_prob=False), params, x)
@@ -129,6 +130,7 @@ def test_init_params_and_loss_range():
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.slow
 def test_nnx_equals_linen(activation):
   params, x, y_ref, aux_ref, _ = reference_run(7, 4, 2, activation, (3, 5, HIDDEN))
   model = nnx.jit(lambda: jaxflux.nnx.MoE(HIDDEN, 4, 2, INTER, activation=activation,
@@ -164,6 +166,7 @@ def test_xla_and_auto_agree_and_fused_raises_on_cpu():
     jax.jit(layer.apply)({"params": params}, x)
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_with_float32_params():
   params, x, y_ref, _, _ = reference_run(11, 8, 2, "swiglu", (4, 8, HIDDEN))
   layer = jaxflux.MoE(8, 2, INTER, dtype=jnp.bfloat16)
@@ -249,6 +252,7 @@ def mesh_spec(names, rules):
 
 @pytest.mark.parametrize("axis_type", [EXPLICIT, AUTO])
 @pytest.mark.parametrize("case", sorted(MESHES))
+@pytest.mark.slow
 def test_sharded_over_experts_matches_unsharded(case, axis_type):
   shape, names, rules, x_spec = MESHES[case]
   mesh = mesh_of(shape, names, axis_type)
@@ -273,6 +277,7 @@ def test_sharded_over_experts_matches_unsharded(case, axis_type):
       assert g.sharding.is_equivalent_to(params_sharded[name].sharding, g.ndim), name
 
 
+@pytest.mark.slow
 def test_expert_weights_are_never_gathered():
   """Expert parallelism, not FSDP: each device multiplies by its own experts; the forward
   communicates only the outputs' all-reduce."""
@@ -298,6 +303,7 @@ def test_uneven_expert_split_raises():
 
 
 @pytest.mark.parametrize("axis_type", [EXPLICIT, AUTO])
+@pytest.mark.slow
 def test_nnx_sharded_over_experts(axis_type):
   shape, names, rules, x_spec = MESHES["dp2_ep4"]
   mesh = mesh_of(shape, names, axis_type)
@@ -317,6 +323,7 @@ def test_nnx_sharded_over_experts(axis_type):
   assert_trees_close(y, y_ref)
 
 
+@pytest.mark.slow
 def test_nnx_without_rules_or_mesh():
   # No mesh: the names are kept as metadata, nothing is placed. A mesh without rules: names that
   # are no mesh axis are left out (replicated), as a Linen name without a rule.

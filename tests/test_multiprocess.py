@@ -76,6 +76,7 @@ def describe(results):
     (2, 2, ["tp4", "dp2xtp2-tp-in-process", "dp2xtp2-tp-across"]),
     (4, 1, ["tp4", "dp2xtp2-tp-across"]),
 ], ids=["2procs-x-2devices", "4procs-x-1device"])
+@pytest.mark.slow
 def test_ops_and_layers_across_processes(launcher, tmp_path, num_processes, local_devices, meshes):
   port = launcher.free_port()
   commands = [[sys.executable, str(WORKER), str(port), str(num_processes), str(i),
@@ -93,6 +94,7 @@ def test_ops_and_layers_across_processes(launcher, tmp_path, num_processes, loca
   assert "tp spans processes: True" in results[0][1], describe(results)
 
 
+@pytest.mark.slow
 def test_training_example_two_processes(launcher, tmp_path):
   # 2 processes x 2 CPU devices, dp=2 across processes x tp=2 inside each; a few steps of the
   # jaxflux model and of the flax.linen.Dense reference, whose losses must match.
@@ -113,6 +115,7 @@ def test_training_example_two_processes(launcher, tmp_path):
 
 
 @pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs"])
+@pytest.mark.slow
 def test_benchmark_two_processes(launcher, tmp_path, op):
   # `python -m jaxflux.bench` as 2 processes x 2 CPU devices, tp=4 across them: every process
   # runs the rows, process 0 alone writes the JSON, with every XLA variant timed and auto's

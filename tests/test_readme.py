@@ -28,7 +28,8 @@ def test_readme_python_blocks_run():
 COMMANDS = (
     'python3 -m venv .venv && .venv/bin/pip install -e ".[test]" && '
     '.venv/bin/python examples/train_tp_transformer.py',
-    'python3 -m venv .venv && .venv/bin/pip install -e ".[test]" && .venv/bin/python -m pytest -q',
+    'python3 -m venv .venv && .venv/bin/pip install -e ".[test]" && '
+    '.venv/bin/python -m pytest -q -m "not slow"',
 )
 
 
