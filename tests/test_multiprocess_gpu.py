@@ -96,8 +96,7 @@ def test_fused_ops_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_pa
 @pytest.mark.parametrize("mode", ["matrix", "matrix_pingpong"])
 def test_fused_op_matrix_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path, mode):
   """Every benchmark shape at M=1024, odd shapes, batch dims, fp16 and both ops' gradients;
-  GEMM+RS's own rows under its own choice of schedule (cooperative on all of these but the one
-  chunked partial, llama70b-out M=8192, where it chooses ping-pong), then forced ping-pong."""
+  GEMM+RS's own rows under its own choice of schedule (cooperative), then forced ping-pong."""
   results = _run(one_gpu_launcher, tmp_path, mode, timeout=300, shared=True)
   assert [code for code, _ in results] == [0, 0], describe(results)
   for i, (_, out) in enumerate(results):
