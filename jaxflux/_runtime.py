@@ -269,11 +269,16 @@ def published(name: str, value: str) -> dict:
   (later calls return what was agreed). Under jax.distributed only."""
   with _lock:
     if name not in _published:
-      client = _kv()
-      client.key_value_set(f"jaxflux/{name}/{jax.process_index()}", value)
-      _published[name] = {pid: _kv_get(client, f"jaxflux/{name}/{pid}", f"process {pid}'s {name}")
-                          for pid in range(jax.process_count())}
+      _published[name] = _every_process(_kv(), name, value, name)
     return _published[name]
+
+
+def _every_process(client, name: str, value: str, what: str) -> dict:
+  """Publishes this process's `value` under jaxflux/<name>/<process> and returns every
+  process's (process index -> value), waiting (bounded) for each."""
+  client.key_value_set(f"jaxflux/{name}/{jax.process_index()}", value)
+  return {pid: _kv_get(client, f"jaxflux/{name}/{pid}", f"process {pid}'s {what}")
+          for pid in range(jax.process_count())}
 
 
 def _ensure_host_slots() -> HostSlots:
@@ -282,10 +287,9 @@ def _ensure_host_slots() -> HostSlots:
     return _host_slots
   client, me = _kv(), jax.process_index()
   ordinals = sorted(d.local_hardware_id for d in _gpu_devices())
-  client.key_value_set(f"jaxflux/hosts/{me}", json.dumps([_host_identity(), len(ordinals)]))
-  records = {pid: tuple(json.loads(_kv_get(client, f"jaxflux/hosts/{pid}",
-                                           f"process {pid}'s host record")))
-             for pid in range(jax.process_count())}
+  mine = json.dumps([_host_identity(), len(ordinals)])
+  records = {pid: tuple(json.loads(text))
+             for pid, text in _every_process(client, "hosts", mine, "host record").items()}
   host_of_process, first, totals = assign_host_slots(records)
   host = host_of_process[me]
   if totals[host] > _ext.max_devices():

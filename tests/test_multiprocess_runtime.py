@@ -91,6 +91,16 @@ def test_host_slots_are_agreed_through_the_store(process1_of_2):
   assert _runtime.host_slots() is hs  # agreed once
 
 
+def test_published_values_are_agreed_once_through_the_store(process1_of_2, monkeypatch):
+  kv, _ = process1_of_2
+  monkeypatch.setattr(_runtime, "_published", {})
+  kv.store["jaxflux/tuning_tables/0"] = "aaaa"
+  assert _runtime.published("tuning_tables", "bbbb") == {0: "aaaa", 1: "bbbb"}
+  assert kv.store["jaxflux/tuning_tables/1"] == "bbbb"
+  kv.store["jaxflux/tuning_tables/0"] = "changed"
+  assert _runtime.published("tuning_tables", "cccc") == {0: "aaaa", 1: "bbbb"}  # agreed once
+
+
 def test_workspace_exchange_publishes_ours_and_maps_the_peers(process1_of_2):
   kv, ext = process1_of_2
   _runtime.host_slots()

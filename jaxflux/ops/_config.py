@@ -21,8 +21,8 @@ def choose(op: str, x, w, *, tp: int, transpose_w: bool, out_dtype) -> tuning.Tu
   k = x.shape[-1]
   itemsize = jnp.dtype(out_dtype).itemsize
   if tp == 1:
-    return tuning.choose_matmul_all_reduce(dtype=name, tp=2, batch=1, m=math.prod(x.shape[:-1]),
-                                           k=k, n=n, itemsize=itemsize)
+    return tuning.choose_tp1_gemm(dtype=name, rows=math.prod(x.shape[:-1]), k=k, n=n,
+                                  itemsize=itemsize)
   batch, m = math.prod(x.shape[:-2]), x.shape[-2]
   if op == "all_gather_matmul":
     return tuning.choose_all_gather_matmul(dtype=name, tp=tp, rows=batch * tp * m, k=k, n=n,

@@ -80,9 +80,8 @@ def choose(kernel: str, dtype, rows: int, k: int, n: int, out_itemsize: int | No
     return tuning.choose_all_gather_matmul(dtype=name, tp=2, rows=rows, k=k, n=n,
                                            sms=_runtime.sm_count(),
                                            shard_rows=rows // 2 if rows % 2 == 0 else 0).choice
-  if kernel == "matmul_all_reduce":  # as the fused op at tp=2 tunes an unbatched x of `rows`
-    return tuning.choose_matmul_all_reduce(dtype=name, tp=2, batch=1, m=rows, k=k, n=n,
-                                           itemsize=itemsize).choice
+  if kernel == "matmul_all_reduce":
+    return tuning.choose_tp1_gemm(dtype=name, rows=rows, k=k, n=n, itemsize=itemsize).choice
   return tuning.choose_own_rows_gemm(dtype=name, rows=rows, k=k, n=n, itemsize=itemsize).choice
 
 

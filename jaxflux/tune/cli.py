@@ -10,6 +10,7 @@ import sys
 import time
 
 from jaxflux import tuning
+from jaxflux.bench import cli as bench_cli
 from jaxflux.tune import pick
 from jaxflux.tuning import device as _device
 from jaxflux.tuning import tables
@@ -73,7 +74,6 @@ def _progress_bar(started: float):
 
 
 def _measure(args, device: _device.Device, sweep_path: pathlib.Path) -> dict:
-  from jaxflux.bench import cli as bench_cli  # starts JAX's GPU backend: only when measuring
   argv = ["--op", "gemm", "--candidates", "--of", args.of, "--dtype", args.dtype,
           "--timing", "device", "--iters", str(args.iters), "--warmup", str(args.warmup),
           "--repeats", str(args.repeats), "--out", str(sweep_path)]

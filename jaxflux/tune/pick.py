@@ -12,9 +12,10 @@ import dataclasses
 import math
 
 from jaxflux import tuning
+from jaxflux.bench import tuning_sweep
+from jaxflux.bench.tuning_sweep import OPS
 from jaxflux.tuning.tables import TUNED_FIELDS, ClassEntry, ShapeEntry, fit_swizzle
 
-OPS = {"ag_gemm": "all_gather_matmul", "gemm_rs": "matmul_reduce_scatter"}
 MIN_GAIN = 0.01
 
 
@@ -44,15 +45,12 @@ def candidate_name(key: tuple) -> str:
 
 
 def _parse_candidate(variant: str, of: str) -> dict | None:
-  """The fields of a sweep variant `<of>:<field>=<value>/...`, or None for another family or
-  a candidate this build's tuning does not take (e.g. from an experimental build)."""
-  head, sep, body = variant.partition(":")
-  if not sep or head != of:
+  """The fields of a sweep variant of family `of`, or None for another family or a candidate
+  this build's tuning does not take (e.g. from an experimental build)."""
+  parsed = tuning_sweep.parse(variant)
+  if parsed is None or parsed[0] != of:
     return None
-  fields = {}
-  for part in body.split("/"):
-    name, _, value = part.partition("=")
-    fields[name] = int(value) if value.isdigit() else value
+  fields = parsed[1]
   if set(fields) != set(TUNED_FIELDS[OPS[of]]):
     return None
   try:

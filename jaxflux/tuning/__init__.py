@@ -45,8 +45,9 @@ __all__ = ["AG_TILES", "AR_TILES", "AUTO_RULES", "DTYPES", "ENTRIES", "FIELDS", 
            "MatmulReduceScatterChoice", "Tuned", "active_tables", "all_gather_matmul_class",
            "auto_prefers_fused", "candidates", "check_fields", "choose_all_gather_matmul",
            "choose_grouped_matmul", "choose_matmul_all_reduce", "choose_matmul_reduce_scatter",
-           "choose_own_rows_gemm", "describe", "lookup", "matmul_all_reduce_class",
-           "matmul_reduce_scatter_class", "override", "overrides", "reload", "shape_classes"]
+           "choose_own_rows_gemm", "choose_tp1_gemm", "describe", "lookup",
+           "matmul_all_reduce_class", "matmul_reduce_scatter_class", "override", "overrides",
+           "reload", "shape_classes"]
 
 
 def _resolve_device(device) -> Device | None:
@@ -221,6 +222,13 @@ def choose_own_rows_gemm(*, dtype: str, rows: int, k: int, n: int, itemsize: int
   (batch 1)."""
   return choose_matmul_reduce_scatter(dtype=dtype, tp=2, batch=1, m=rows, k=k, n=n,
                                       itemsize=itemsize, device=device)
+
+
+def choose_tp1_gemm(*, dtype: str, rows: int, k: int, n: int, itemsize: int) -> Tuned:
+  """The GEMM an op runs at tp=1 (GEMM+AllReduce's GEMM with nothing to reduce): tuned as
+  GEMM+AllReduce at tp=2 tunes an unbatched x of `rows` rows."""
+  return choose_matmul_all_reduce(dtype=dtype, tp=2, batch=1, m=rows, k=k, n=n,
+                                  itemsize=itemsize)
 
 
 def auto_prefers_fused(op: str, tp: int, rows: int, k: int, arch: str = ARCH) -> bool:

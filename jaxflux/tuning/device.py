@@ -27,11 +27,6 @@ class Device:
   sms: int                  # streaming multiprocessors
 
   @property
-  def arch(self) -> str:
-    """"sm90" for compute capability 9.0: the table family of the kernels built for it."""
-    return "sm" + self.compute_capability.replace(".", "")
-
-  @property
   def slug(self) -> str:
     """The kind as a file name: "nvidia_h100_80gb_hbm3"."""
     return re.sub(r"[^a-z0-9]+", "_", self.kind.lower()).strip("_")

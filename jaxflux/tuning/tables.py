@@ -115,8 +115,8 @@ def fit_swizzle(op: str, fields: dict, rows: int) -> dict:
 
 def user_dir() -> pathlib.Path:
   """Where `python -m jaxflux.tune` writes and the library reads user tables."""
-  if os.environ.get(ENV_DIR):
-    return pathlib.Path(os.environ[ENV_DIR]).expanduser()
+  if directory := os.environ.get(ENV_DIR):
+    return pathlib.Path(directory).expanduser()
   cache = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
   return pathlib.Path(cache) / "jaxflux" / "tuning"
 
