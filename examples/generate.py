@@ -13,6 +13,10 @@ twice from the same params, (a) on jaxflux.Dense layers and (b) on flax.linen.De
 partitioner, and compares the generated tokens (exit status 1 if they differ on CPU in float32,
 where they must be identical).
 
+In bfloat16 both models serve the params cast to bfloat16 once, as a server holds its weights
+(the training example keeps float32 params: cast at every step, a decode step reads twice the
+weight bytes, and the cast's output is one more pass for a custom call to wait on).
+
 Each run is also measured against a float32 reference, the flax.linen.Dense model in float32 on
 the same params (in a float32 run, the flax.linen.Dense run itself): the prefill's logits (the
 one step where every run sees the same inputs) and the leading new tokens that agree. In
@@ -167,6 +171,15 @@ def init_params(args, mesh):
   return train.prepare(targs, mesh, train.flax_dense, specs)[1]
 
 
+def serving_params(params, dtype: str):
+  """The params in the compute dtype, cast once, as a server loads its weights. The training
+  example's params are float32: served as they are, every decode step would read 4 bytes per
+  weight and cast them again (the step is a weight read: twice the bytes), and a custom call
+  such as jaxflux's kernels would also pay for the cast's output. The float32 reference keeps
+  the float32 params."""
+  return jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype), p))(params)
+
+
 def calibrated_fp8(args, mesh, params, prompts) -> dict:
   """The FP8 recipe's variables (Flax's collection "_overwrite_with_gradient") as the model
   initializes them, then updated by one calibration pass over the prompts.
@@ -182,17 +195,17 @@ def calibrated_fp8(args, mesh, params, prompts) -> dict:
   variables are those Flax's recipe would record.
   """
   model = build_decoder(args, train.with_fp8(jaxflux_dense("xla")))
-  cache = empty_cache(args, mesh, args.prompt_len)
 
-  def logit_sum(fp8):
-    logits, _ = model.apply({"params": params, **fp8}, prompts, cache, 0)
-    return logits.astype(jnp.float32).sum()
-
-  def calibrate():
+  # Params, prompts and cache are arguments: a closure over them would lower them into the
+  # program as constants (gigabytes at the llama70b-8l preset).
+  def calibrate(params, prompts, cache):
+    def logit_sum(fp8):
+      logits, _ = model.apply({"params": params, **fp8}, prompts, cache, 0)
+      return logits.astype(jnp.float32).sum()
     variables = model.init(jax.random.key(0), prompts, cache, 0)  # jit drops the unused params
     return jax.grad(logit_sum)({k: v for k, v in variables.items() if k != "params"})
 
-  return jax.jit(calibrate)()
+  return jax.jit(calibrate)(params, prompts, empty_cache(args, mesh, args.prompt_len))
 
 
 def empty_cache(args, mesh, length: int, dtype: str | None = None) -> Cache:
@@ -217,8 +230,14 @@ def compiled_steps(model, variables, prompts, cache):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, cache
 
   jitted = jax.jit(step, donate_argnums=2)
+  # The decode step takes the prefill's tokens [B], sharded over dp like the prompts. Lowered
+  # from that type, not from a slice of the prompts: slicing drops a size-1 batch's dp sharding
+  # (jax >= 0.11), and the step's cache update then sees two layouts.
+  spec = P(*prompts.sharding.spec[:1])
+  last = jax.ShapeDtypeStruct(prompts.shape[:1], jnp.int32,
+                              sharding=NamedSharding(prompts.sharding.mesh, spec))
   out = []
-  for tokens in (prompts, prompts[:, 0]):
+  for tokens in (prompts, last):
     start = time.perf_counter()
     out.append(jitted.lower(variables, tokens, cache, jnp.int32(0)).compile())
     out.append(time.perf_counter() - start)
@@ -394,22 +413,27 @@ def run_example(args, argv: Sequence[str] | None) -> dict:
     prompts = jax.device_put(prompts_host, NamedSharding(mesh, P("dp", None)))
     log(f"params: {sum(x.size for x in jax.tree.leaves(params)):,}; batch {args.batch}, "
         f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens")
-    fp8 = calibrated_fp8(args, mesh, params, prompts) if args.fp8 else {}
+    reference = None
+    if args.dtype != "float32":
+      # First, while the float32 params are the only weights on the devices. On GPUs float32
+      # matmuls default to TF32: the reference asks for full float32.
+      with jax.default_matmul_precision("float32"):
+        reference = run("flax, float32 reference", args, mesh, train.flax_dense,
+                        {"params": params}, prompts, log, dtype="float32")
+      served = serving_params(params, args.dtype)
+      params = jax.device_get(params)  # the devices keep only the served copy
+    else:
+      served = params
+    fp8 = calibrated_fp8(args, mesh, served, prompts) if args.fp8 else {}
     recipe = train.with_fp8 if args.fp8 else (lambda dense: dense)
-    variables = {"params": params, **fp8}
+    variables = {"params": served, **fp8}
     runs = {"jaxflux": run("jaxflux", args, mesh, recipe(jaxflux_dense(args.impl)), variables,
                            prompts, log),
             "flax": run("flax", args, mesh, recipe(train.flax_dense), variables, prompts, log)}
     if args.fp8:  # what FP8 is for: the decode speed against the same layers without it
       runs["jaxflux_no_fp8"] = run(f"jaxflux, {args.dtype} without FP8", args, mesh,
-                                   jaxflux_dense(args.impl), {"params": params}, prompts, log)
-    if args.dtype == "float32":
-      reference = runs["flax"]
-    else:
-      # On GPUs float32 matmuls default to TF32: the reference asks for full float32.
-      with jax.default_matmul_precision("float32"):
-        reference = run("flax, float32 reference", args, mesh, train.flax_dense,
-                        {"params": params}, prompts, log, dtype="float32")
+                                   jaxflux_dense(args.impl), {"params": served}, prompts, log)
+    reference = reference or runs["flax"]
   ours, ref = runs["jaxflux"], runs["flax"]
   match = compare(ours, ref)
   # Identical on the XLA path in float32 on CPU; elsewhere (TF32 or bfloat16 matmuls, fused
