@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +69,15 @@ def check_config(layer: str, *, num_experts, num_experts_per_tok, intermediate_s
     raise ValueError(
       f"{layer}: activation={activation!r} is not one of {ACTIVATIONS}: 'swiglu' "
       "(silu(x @ wi_0) * (x @ wi_1)) or 'gelu' (gelu(x @ wi)).")
-  if not isinstance(norm_topk_prob, bool):
-    raise ValueError(f"{layer}: norm_topk_prob={norm_topk_prob!r} must be a bool.")
+  if norm_topk_prob is not None and not isinstance(norm_topk_prob, bool):
+    raise ValueError(f"{layer}: norm_topk_prob={norm_topk_prob!r} must be a bool, or None "
+                     "(renormalize when num_experts_per_tok > 1).")
+  if norm_topk_prob and k == 1:
+    warnings.warn(
+      f"{layer}: norm_topk_prob=True with num_experts_per_tok=1 makes every routing weight 1, "
+      "so the router gets no gradient from the task loss (only from the load-balancing "
+      "loss). Leave norm_topk_prob=None (the default) or pass False to weight each token's "
+      "expert by its router probability, as the Switch Transformer does.", stacklevel=3)
   if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(
       f"{layer}: dtype={dtype!r} is not a floating dtype. Pass e.g. jnp.bfloat16, or None "
@@ -190,14 +198,21 @@ def _reshard(x, dims: tuple, keep: frozenset):
   return jax.sharding.reshard(x, P(*map(_entry, want)))
 
 
-def route(x, gate, num_experts_per_tok: int, norm_topk_prob: bool, precision):
+def renormalizes(norm_topk_prob: bool | None, num_experts_per_tok: int) -> bool:
+  """Whether the top-k probabilities are renormalized to sum to 1. None: when k > 1 (Mixtral,
+  Qwen3); at k = 1 the weight stays the router probability (Switch Transformer): renormalized it
+  would be 1 and give the router no gradient."""
+  return num_experts_per_tok > 1 if norm_topk_prob is None else norm_topk_prob
+
+
+def route(x, gate, num_experts_per_tok: int, norm_topk_prob: bool | None, precision):
   """Top-k routing of the rows of x [R, H] in float32: weights [R, k], experts [R, k] (int32),
   and the sums over the rows that the load-balancing loss takes (`load_balancing_loss`):
   (token, expert) pairs per expert [E] and router probabilities per expert [E]."""
   logits = jnp.dot(x.astype(jnp.float32), gate.astype(jnp.float32), precision=precision)
   probs = jax.nn.softmax(logits, axis=-1)
   weights, experts = lax.top_k(probs, num_experts_per_tok)
-  if norm_topk_prob:
+  if renormalizes(norm_topk_prob, num_experts_per_tok):
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
   pairs = jnp.sum(jax.nn.one_hot(experts, gate.shape[1], dtype=jnp.float32), axis=(0, 1))
   return weights, experts, pairs, jnp.sum(probs, axis=0)
@@ -234,7 +249,7 @@ def expert_mlp(x, weights, experts, wi, wo, *, activation: str, impl: str, preci
   ys = matmul(h, wo)
   # Back to (token, expert) order: the inverse permutation, a scatter of integers (no gradient).
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-  pairs = jnp.take(ys, inverse, axis=0).reshape(rows, k, -1)
+  pairs = jnp.take(ys, inverse, axis=0).reshape(rows, k, ys.shape[-1])
   # The weighted sum in float32, like the routing weights; one rounding to dtype at the end.
   y = jnp.einsum("rkh,rk->rh", pairs.astype(jnp.float32), weights, precision=precision)
   return y.astype(dtype)
@@ -252,7 +267,8 @@ def _argsort(key):
 
 
 def moe_mlp(layer: str, x, gate, wi: tuple, wo, *, num_experts_per_tok: int,
-            norm_topk_prob: bool, activation: str, impl: str, precision, dtype, wi_spec):
+            norm_topk_prob: bool | None, activation: str, impl: str, precision, dtype,
+            wi_spec):
   """The MoE MLP on x [..., H] (global view): (y [..., H] in the compute dtype, loss).
 
   Args:

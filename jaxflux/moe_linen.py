@@ -18,8 +18,8 @@ class MoE(nn.Module):
   """A mixture-of-experts MLP: each token goes through its top-k experts' MLPs.
 
   For ``x [..., hidden]``: router logits ``x @ gate`` in float32, a softmax, the top
-  ``num_experts_per_tok`` experts per token (their probabilities renormalized to sum to 1 with
-  ``norm_topk_prob``, as in Mixtral and Qwen3), and ``y = sum_j p_j * MLP_{e_j}(x)`` over them,
+  ``num_experts_per_tok`` experts per token (for k > 1 their probabilities renormalized to sum to
+  1, as in Mixtral and Qwen3: ``norm_topk_prob``), and ``y = sum_j p_j * MLP_{e_j}(x)`` over them,
   with ``MLP_e(x) = (silu(x @ wi_0[e]) * (x @ wi_1[e])) @ wo[e]`` (``"swiglu"``) or
   ``gelu(x @ wi[e]) @ wo[e]`` (``"gelu"``, tanh approximation as ``flax.linen.gelu``). No
   capacity limit: no token is dropped. The (token, expert) pairs are sorted by expert and
@@ -63,7 +63,10 @@ class MoE(nn.Module):
     num_experts_per_tok: experts per token k, 1 to num_experts.
     intermediate_size: each expert's hidden size I.
     activation: ``"swiglu"`` (default) or ``"gelu"``.
-    norm_topk_prob: renormalize the top-k probabilities to sum to 1 (default: True).
+    norm_topk_prob: renormalize the top-k probabilities to sum to 1; None (default):
+      when num_experts_per_tok > 1. With one expert per token the weight stays its router
+      probability (Switch Transformer): renormalized it would be 1, leaving the router no
+      gradient from the task loss (True there warns).
     dtype: the dtype of the expert computation (default: infer from input and params). The
       router and the weighted sum over experts run in float32.
     param_dtype: the dtype passed to parameter initializers (default: float32).
@@ -82,7 +85,7 @@ class MoE(nn.Module):
   num_experts_per_tok: int
   intermediate_size: int
   activation: str = "swiglu"
-  norm_topk_prob: bool = True
+  norm_topk_prob: bool | None = None
   dtype: Dtype | None = None
   param_dtype: Dtype = jnp.float32
   precision: PrecisionLike = None

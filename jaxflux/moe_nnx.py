@@ -62,7 +62,10 @@ class MoE(nnx.Module):
     num_experts_per_tok: experts per token k, 1 to num_experts.
     intermediate_size: each expert's hidden size I.
     activation: ``"swiglu"`` (default) or ``"gelu"``.
-    norm_topk_prob: renormalize the top-k probabilities to sum to 1 (default: True).
+    norm_topk_prob: renormalize the top-k probabilities to sum to 1; None (default):
+      when num_experts_per_tok > 1. With one expert per token the weight stays its router
+      probability (Switch Transformer): renormalized it would be 1, leaving the router no
+      gradient from the task loss (True there warns).
     dtype: the dtype of the expert computation (default: infer from input and params). The
       router and the weighted sum over experts run in float32.
     param_dtype: the dtype passed to parameter initializers (default: float32).
@@ -86,7 +89,7 @@ class MoE(nnx.Module):
     intermediate_size: int,
     *,
     activation: str = "swiglu",
-    norm_topk_prob: bool = True,
+    norm_topk_prob: bool | None = None,
     dtype: Dtype | None = None,
     param_dtype: Dtype = jnp.float32,
     precision: PrecisionLike = None,

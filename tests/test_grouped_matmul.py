@@ -299,6 +299,21 @@ def test_k_mismatch_transposed_hints_transpose_w():
     trace(arr((8, 4)), arr((2, 4, 3)), arr((2,), jnp.int32), transpose_w=True)
 
 
+@pytest.mark.parametrize("group_sizes,match", [
+    ([-4, 8, 8, 4], r"group_sizes=\[-4, 8, 8, 4\] has negative row counts"),
+    (np.array([8, 8, 8, 0]), r"group_sizes=\[8, 8, 8, 0\] sums to 24, more than x's 20 rows"),
+])
+def test_known_bad_group_sizes_raise(group_sizes, match):
+  """Counts known at trace time are checked (the kernel clamps bad ones, ragged_dot does not);
+  traced counts are not (no host read)."""
+  x, w = jnp.ones((20, 8)), jnp.ones((4, 8, 16))
+  for impl in ("xla", "auto"):
+    with pytest.raises(ValueError, match=match):
+      grouped_matmul(x, w, group_sizes, impl=impl)
+  traced = jax.jit(lambda s: grouped_matmul(x, w, s, impl="xla"))
+  assert traced(jnp.asarray(group_sizes, jnp.int32)).shape == (20, 16)
+
+
 @pytest.mark.parametrize("shape", [(3,), (1,), (2, 1), ()])
 def test_group_sizes_shape(shape):
   with pytest.raises(ValueError, match=r"group_sizes must have shape \(G,\) = \(2,\).*got shape "

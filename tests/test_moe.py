@@ -4,6 +4,7 @@ expert-parallel split over a mesh."""
 
 import functools
 import re
+import warnings
 
 import flax.linen as nn
 import jax
@@ -41,13 +42,14 @@ def random_x(seed, shape):
   return normal(np.random.default_rng(seed), shape)
 
 
-def reference(params, x, k, activation, norm_topk_prob=True):
+def reference(params, x, k, activation, norm_topk_prob=None):
   """Every token through every expert (dense einsums), each expert's output weighted by the
-  token's routing weight for it (0 outside its top k); and the Switch load-balancing loss."""
+  token's routing weight for it (0 outside its top k; renormalized over the top k where
+  norm_topk_prob says, None: for k > 1); and the Switch load-balancing loss."""
   x2 = x.reshape(-1, x.shape[-1])
   probs = jax.nn.softmax(x2 @ params["gate"], axis=-1)
   top, chosen = jax.lax.top_k(probs, k)
-  if norm_topk_prob:
+  if k > 1 if norm_topk_prob is None else norm_topk_prob:
     top = top / top.sum(-1, keepdims=True)
   num_experts = probs.shape[-1]
   y = jnp.zeros_like(x2)
@@ -80,7 +82,7 @@ def linen_run(layer, params, x):
 
 
 @functools.cache
-def reference_run(seed, num_experts, k, activation, x_shape, norm_topk_prob=True):
+def reference_run(seed, num_experts, k, activation, x_shape, norm_topk_prob=None):
   params, x = random_params(seed, num_experts, activation), random_x(seed + 1, x_shape)
   ref = functools.partial(reference, k=k, activation=activation, norm_topk_prob=norm_topk_prob)
   y, aux = jax.jit(ref)(params, x)
@@ -114,6 +116,40 @@ def test_without_renormalized_top_k():
   y, _, grads = linen_run(jaxflux.MoE(8, 2, INTER, norm_topk_prob=False), params, x)
   assert_trees_close(y, y_ref)
   assert_trees_close(grads, grads_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_top_1_weights_by_the_router_probability_and_trains_the_router():
+  """k = 1 by default keeps the chosen expert's router probability as its weight (Switch
+  Transformer), so the task loss reaches the gate; renormalized it would be 1 (no gradient),
+  which norm_topk_prob=True still gives, with a warning that says so."""
+  params, x, y_ref, _, grads_ref = reference_run(3, 4, 1, "swiglu", (13, HIDDEN))
+  y, _, grads = linen_run(jaxflux.MoE(4, 1, INTER, impl="xla"), params, x)
+  assert_trees_close(y, y_ref)
+  assert_trees_close(grads, grads_ref, rtol=1e-4, atol=1e-5)
+  assert np.abs(grads[0]["gate"]).max() > 1e-3 * np.abs(grads[0]["wo"]).max()
+
+  with pytest.warns(UserWarning, match="norm_topk_prob=True with num_experts_per_tok=1 makes "
+                                       "every routing weight 1"):
+    layer = jaxflux.MoE(4, 1, INTER, norm_topk_prob=True, impl="xla")
+  with pytest.warns(UserWarning, match="jaxflux.nnx.MoE: norm_topk_prob=True"):
+    jaxflux.nnx.MoE(HIDDEN, 4, 1, INTER, norm_topk_prob=True, rngs=nnx.Rngs(0))
+
+  def task_loss(gate):
+    return sum_of_squares(layer.apply({"params": {**params, "gate": gate}}, x))
+  with warnings.catch_warnings():  # Linen clones the layer in apply: the same warning again
+    warnings.simplefilter("ignore", UserWarning)
+    assert np.abs(jax.grad(task_loss)(params["gate"])).max() < 1e-6  # routing weight 1: none
+
+
+@pytest.mark.parametrize("shape", [(0, HIDDEN), (2, 0, HIDDEN)], ids=["no-tokens", "empty-seq"])
+def test_zero_tokens_give_an_empty_output(shape):
+  params = random_params(0, 4, "swiglu")
+  x = jnp.zeros(shape, jnp.float32)
+  y, aux, grads = linen_run(jaxflux.MoE(4, 2, INTER, impl="xla"), params, x)
+  assert y.shape == shape and np.isfinite(aux)
+  assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+  model = jaxflux.nnx.MoE(HIDDEN, 4, 2, INTER, impl="xla", rngs=nnx.Rngs(0))
+  assert model(x).shape == shape
 
 
 def test_init_params_and_loss_range():

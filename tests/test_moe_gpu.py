@@ -53,3 +53,25 @@ def test_fused_layer_under_a_mesh_with_expert_rules():
       grads[impl] = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
   for got, want in zip(jax.tree.leaves(grads["fused"]), jax.tree.leaves(grads["xla"])):
     assert rel_err(got, want) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 2])
+def test_fused_layer_on_zero_tokens_and_top_1(k):
+  """No tokens: an empty output and zero gradients on the kernel path. Top-1 (the router
+  probability as the weight, the default): the fused layer's gate gradient is the XLA layer's."""
+  hidden, inter, experts = 256, 512, 4
+  layers = {impl: jaxflux.MoE(experts, k, inter, impl=impl, dtype=jnp.bfloat16,
+                              param_dtype=jnp.bfloat16) for impl in ("fused", "xla")}
+  x = jax.random.normal(jax.random.key(4), (2, 128, hidden), jnp.float32).astype(jnp.bfloat16)
+  params = jax.jit(layers["xla"].init)(jax.random.key(5), x)["params"]
+  loss = lambda impl: jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.square(
+      layers[impl].apply({"params": p}, x).astype(jnp.float32)))))
+  empty = jnp.zeros((0, hidden), jnp.bfloat16)
+  assert jax.jit(layers["fused"].apply)({"params": params}, empty).shape == (0, hidden)
+  for g in jax.tree.leaves(loss("fused")(params, empty)):
+    assert not np.any(np.asarray(g, np.float32))
+  got, want = loss("fused")(params, x), loss("xla")(params, x)
+  assert np.abs(np.asarray(want["gate"], np.float32)).max() > 0
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert rel_err(a, b) <= 2e-2

@@ -26,7 +26,9 @@ both scales in its epilogue.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxflux.ops import _common, _grouped_fp8, _grouped_kernel, _plan, _platform
@@ -45,8 +47,9 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", preferred_element_t
     x: [M, K] rows sorted by group: the first group_sizes[0] rows belong to group 0, the next
       group_sizes[1] to group 1, and so on.
     w: [G, K, N] one weight per group ([G, N, K] with transpose_w).
-    group_sizes: [G] integer row counts (any integer dtype; cast to int32). Traced values: a
-      sum above M is not checked, and, as in ragged_dot, is the caller's responsibility.
+    group_sizes: [G] integer row counts (any integer dtype; cast to int32), each >= 0, summing
+      to at most M: checked where the counts are known at trace time (ValueError); traced
+      counts are, as in ragged_dot, the caller's responsibility.
     impl: "auto" (the kernel where it runs, else XLA), "fused" (the grouped GEMM kernel, or
       FusedKernelUnavailableError saying why it can't run) or "xla"
       (`lax.ragged_dot_general`).
@@ -162,7 +165,23 @@ def _check_operands(x, w, group_sizes, transpose_w: bool):
   if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
     raise TypeError(f"{_OP}: group_sizes must have an integer dtype (row counts); got "
                     f"{group_sizes.dtype}. Pass group_sizes.astype(jnp.int32).")
+  _check_known_sizes(group_sizes, x.shape[0])
   return group_sizes.astype(jnp.int32)
+
+
+def _check_known_sizes(group_sizes, rows: int) -> None:
+  """Row counts known at trace time (not traced) must be >= 0 and sum to at most M: the kernel
+  clamps bad counts and XLA's ragged_dot does not, so they would give different results."""
+  if isinstance(group_sizes, jax.core.Tracer) or not getattr(group_sizes, "is_fully_addressable",
+                                                              True):
+    return
+  sizes = np.asarray(group_sizes)
+  if (sizes < 0).any():
+    raise ValueError(f"{_OP}: group_sizes={sizes.tolist()} has negative row counts; each "
+                     "group's count must be >= 0.")
+  if sizes.sum() > rows:
+    raise ValueError(f"{_OP}: group_sizes={sizes.tolist()} sums to {int(sizes.sum())}, more "
+                     f"than x's {rows} rows: the counts must sum to at most M.")
 
 
 def _out_dtype(x, w, preferred_element_type):
