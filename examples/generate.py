@@ -5,6 +5,8 @@ jaxflux.Dense layers, checked against the same model built from flax.linen.Dense
     python examples/generate.py --tp 4 --batch 16      # 2-way dp x 4-way tp on 8 devices
     python examples/generate.py --preset llama70b-8l   # Llama-70B layers, 8 of them (GPUs)
     python examples/generate.py --dtype bfloat16 --fp8 # Flax's FP8 recipe in both models
+    python examples/generate.py --moe 8,2              # routed expert MLPs (top-2 of 8)
+    python examples/generate.py --preset mixtral-2l    # Mixtral-8x7B layers, 2 of them (GPUs)
 
 The model is train_tp_transformer.py's: the same layers and parameter tree, and its params come
 from that example's init (so a trained checkpoint of it loads as is). Here it runs with a KV
@@ -12,6 +14,9 @@ cache: one prefill of a batch of prompts, then one decode step per new token, gr
 twice from the same params, (a) on jaxflux.Dense layers and (b) on flax.linen.Dense under XLA's
 partitioner, and compares the generated tokens (exit status 1 if they differ on CPU in float32,
 where they must be identical).
+
+--moe EXPERTS,TOP_K routes every MLP to experts (jaxflux.MoE, as in the training example): the
+jaxflux model runs them on the grouped GEMM, the flax.linen.Dense model on lax.ragged_dot.
 
 In bfloat16 both models serve the params cast to bfloat16 once, as a server holds its weights
 (the training example keeps float32 params: cast at every step, a decode step reads twice the
@@ -116,6 +121,8 @@ class CachedBlock(nn.Module):
   activation: str
   dense: Callable[..., nn.Module]
   dtype: Any = jnp.float32
+  moe: tuple[int, int] | None = None  # (experts, experts per token): a routed expert MLP
+  moe_impl: str = "xla"
 
   @nn.compact
   def __call__(self, x, cache, pos):
@@ -123,7 +130,8 @@ class CachedBlock(nn.Module):
     a, cache = CachedAttention(self.heads, self.dense, self.dtype, name="attn")(h, cache, pos)
     x = replicated(x + a)
     h = nn.RMSNorm(dtype=self.dtype, name="norm2")(x)
-    mlp = train.MLP(self.ffn, self.activation, self.dense, self.dtype, name="mlp")
+    mlp = train.MLP(self.ffn, self.activation, self.dense, self.dtype, self.moe, self.moe_impl,
+                    name="mlp")
     return replicated(x + mlp(h)), cache
 
 
@@ -138,6 +146,8 @@ class Decoder(nn.Module):
   activation: str
   dense: Callable[..., nn.Module]
   dtype: Any = jnp.float32
+  moe: tuple[int, int] | None = None
+  moe_impl: str = "xla"
 
   @nn.compact
   def __call__(self, tokens, cache: Cache, pos):
@@ -148,7 +158,7 @@ class Decoder(nn.Module):
     new_cache = []
     for i in range(self.layers):
       block = CachedBlock(self.heads, self.ffn, self.activation, self.dense, self.dtype,
-                          name=f"block{i}")
+                          self.moe, self.moe_impl, name=f"block{i}")
       x, layer_cache = block(x, cache[i], pos)
       new_cache.append(layer_cache)
     x = nn.RMSNorm(dtype=self.dtype, name="norm_f")(x[:, -1])
@@ -158,8 +168,11 @@ class Decoder(nn.Module):
 MODEL_FIELDS = ("vocab", "hidden", "heads", "layers", "ffn", "activation")
 
 
-def build_decoder(args, dense, dtype: str | None = None) -> Decoder:
-  return Decoder(*(getattr(args, f) for f in MODEL_FIELDS), dense, jnp.dtype(dtype or args.dtype))
+def build_decoder(args, dense, dtype: str | None = None, moe_impl: str = "xla") -> Decoder:
+  """The decoder on `dense` layers; with --moe its expert MLPs run grouped_matmul with
+  `moe_impl` (jaxflux's model: its --impl; the reference: lax.ragged_dot)."""
+  return Decoder(*(getattr(args, f) for f in MODEL_FIELDS), dense, jnp.dtype(dtype or args.dtype),
+                 args.moe, moe_impl)
 
 
 def init_params(args, mesh):
@@ -298,8 +311,9 @@ def distance(run_: dict, ref: dict) -> dict:
               leading_tokens_agree=int(agree.min()), mean_leading_tokens_agree=float(agree.mean()))
 
 
-def run(label: str, args, mesh, dense, variables, prompts, log, dtype: str | None = None) -> dict:
-  model = build_decoder(args, dense, dtype)
+def run(label: str, args, mesh, dense, variables, prompts, log, dtype: str | None = None,
+        moe_impl: str = "xla") -> dict:
+  model = build_decoder(args, dense, dtype, moe_impl)
   cache = empty_cache(args, mesh, args.prompt_len + args.new_tokens, dtype)
   r = generate(model, variables, prompts, cache, args.new_tokens)
   log(f"[{label}] compile: prefill {r['compile_s']['prefill']:.2f} s, decode step "
@@ -315,6 +329,9 @@ PRESETS = {
     # The training example's Llama-70B-sized layers (8 of them), decoding a batch of 16.
     "llama70b-8l": {**{k: train.PRESETS["llama70b-8l"][k] for k in MODEL_FIELDS},
                     "batch": 16, "prompt_len": 1024, "new_tokens": 64, "dtype": "bfloat16"},
+    # The training example's Mixtral-8x7B-sized layers (8 experts, top-2; 2 of them).
+    "mixtral-2l": {**{k: train.PRESETS["mixtral-2l"][k] for k in MODEL_FIELDS + ("moe",)},
+                   "batch": 16, "prompt_len": 1024, "new_tokens": 64, "dtype": "bfloat16"},
 }
 
 
@@ -351,10 +368,14 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--vocab", type=int, help="vocabulary size (>= 1)")
   p.add_argument("--activation", choices=("gelu", "swiglu"),
                  help="MLP activation (swiglu: gated, fc1 twice as wide)")
+  p.add_argument("--moe", type=train.parse_moe, metavar="EXPERTS,TOP_K", default=None,
+                 help="routed mixture-of-experts MLPs (jaxflux.MoE: EXPERTS experts of width "
+                      "--ffn, TOP_K per token; each expert's width split over tp), as the "
+                      "training example's --moe. jaxflux's model runs them on the grouped GEMM "
+                      "(--impl), the reference on lax.ragged_dot. Dense MLPs without it")
   p.add_argument("--quiet", action="store_true", help="print the comparisons only")
   p.add_argument("--out", metavar="FILE.json", help="write config, timings, the comparisons, "
                  "machine and versions")
-  p.set_defaults(moe=None)  # the training example's model field: dense MLPs here
   return p
 
 
@@ -375,6 +396,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   if args.impl == "fused" and args.dtype != "bfloat16":
     p.error(f"--impl fused needs --dtype bfloat16 (the fused kernels' dtype), not {args.dtype}: "
             "add --dtype bfloat16, or use --impl auto")
+  if args.moe and args.fp8:
+    p.error("--moe and --fp8 together are not supported: the experts' grouped GEMMs take no FP8 "
+            "recipe; drop one of them")
   if args.fp8 and args.dtype != "bfloat16":
     p.error(f"--fp8 needs --dtype bfloat16, not {args.dtype}: FP8 stands in for 16-bit matmuls "
             "(the recipe computes in the compute dtype, jaxflux's fused FP8 matmuls give "
@@ -408,7 +432,8 @@ def run_example(args, argv: Sequence[str] | None) -> dict:
       f"{'available' if jaxflux.has_cuda() else 'unavailable'} here")
   # Prompts as the training data looks (a per-row arithmetic sequence with noise).
   prompts_host = train.synthetic_batch(args.seed, 0, args.batch, args.prompt_len - 1, args.vocab)
-  with jax.set_mesh(mesh):
+  # The rules place the MoE layers' params (the training example's; no effect without --moe).
+  with jax.set_mesh(mesh), nn.logical_axis_rules(train.MOE_RULES):
     params = init_params(args, mesh)
     prompts = jax.device_put(prompts_host, NamedSharding(mesh, P("dp", None)))
     log(f"params: {sum(x.size for x in jax.tree.leaves(params)):,}; batch {args.batch}, "
@@ -428,7 +453,7 @@ def run_example(args, argv: Sequence[str] | None) -> dict:
     recipe = train.with_fp8 if args.fp8 else (lambda dense: dense)
     variables = {"params": served, **fp8}
     runs = {"jaxflux": run("jaxflux", args, mesh, recipe(jaxflux_dense(args.impl)), variables,
-                           prompts, log),
+                           prompts, log, moe_impl=args.impl),
             "flax": run("flax", args, mesh, recipe(train.flax_dense), variables, prompts, log)}
     if args.fp8:  # what FP8 is for: the decode speed against the same layers without it
       runs["jaxflux_no_fp8"] = run(f"jaxflux, {args.dtype} without FP8", args, mesh,

@@ -16,6 +16,7 @@ import pathlib
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -71,7 +72,7 @@ def no_cache_logits(gen, argv, result) -> np.ndarray:
   args = gen.parse_args(argv)
   mesh = train.make_mesh(args.tp)
   sequences = np.concatenate([result["prompts"], np.asarray(result["tokens"])], axis=1)
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), nn.logical_axis_rules(train.MOE_RULES):
     model = train.build_model(args, train.flax_dense)
     inputs, _ = train.device_batch(sequences, mesh)  # all but the last token
     logits = jax.jit(model.apply)({"params": result["params"]}, inputs)
@@ -81,7 +82,8 @@ def no_cache_logits(gen, argv, result) -> np.ndarray:
 @pytest.mark.parametrize("extra, dp, tp", [
     (["--tp", "8"], 1, 8),
     (["--tp", "4", "--activation", "swiglu"], 2, 4),
-], ids=["tp8", "dp2-tp4-swiglu"])
+    (["--tp", "4", "--moe", "4,2"], 2, 4),
+], ids=["tp8", "dp2-tp4-swiglu", "dp2-tp4-moe"])
 def test_generates_as_flax_and_as_without_cache(gen, tmp_path, extra, dp, tp):
   _require_devices(8)
   argv = TINY + extra + ["--out", str(tmp_path / "run.json")]
@@ -384,6 +386,9 @@ def test_help(gen, capsys, preset):
     (["--impl", "fused"], "--impl fused needs --dtype bfloat16"),
     (["--fp8"], "--fp8 needs --dtype bfloat16, not float32: FP8 stands in for 16-bit matmuls"),
     (["--preset", "big"], "argument --preset: invalid choice: 'big'"),
+    (["--moe", "4,5"], "argument --moe: TOP_K=5 must be from 1 to EXPERTS=4"),
+    (["--moe", "4,2", "--dtype", "bfloat16", "--fp8"], "--moe and --fp8 together are not "
+     "supported"),
 ))
 def test_rejects_bad_flags(gen, capsys, extra, message):
   expect_usage_error(capsys, lambda: gen.main(TINY + extra), message)
@@ -424,6 +429,10 @@ def test_presets(gen):
   assert args.activation == "swiglu" and args.dtype == "bfloat16" and args.layers == 2
   default = gen.parse_args([])
   assert default.preset == "small" and default.hidden == 128 and default.dtype == "float32"
+  assert default.moe is None
+  mixtral = gen.parse_args(["--preset", "mixtral-2l"])
+  assert (mixtral.hidden, mixtral.ffn, mixtral.layers, mixtral.moe) == (4096, 14336, 2, (8, 2))
+  assert mixtral.batch == 16 and mixtral.dtype == "bfloat16"
 
 
 @pytest.mark.slow
