@@ -32,10 +32,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, PartitionSpec as P
 
+from jaxflux import _layer_mesh as lm
 from jaxflux.ops import grouped_matmul
+from jaxflux.ops._common import stable_argsort
 
 ACTIVATIONS = ("swiglu", "gelu")
-IMPLS = ("auto", "fused", "xla")
+IMPLS = lm.IMPLS
 # MaxText's logical names: the router kernel [H, E], the expert kernels [E, H, I] and [E, I, H].
 GATE_AXES = ("embed", None)
 WI_AXES = ("exp", "embed", "mlp")
@@ -112,15 +114,6 @@ def check_hidden(layer: str, x, hidden: int | None) -> int:
   return x.shape[-1]
 
 
-def _axes(entry) -> tuple[str, ...]:
-  """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
-  return (entry,) if isinstance(entry, str) else tuple(entry or ())
-
-
-def _entry(axes: tuple[str, ...]):
-  return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Plan:
   """How the expert MLP splits over the mesh (module docstring)."""
@@ -142,8 +135,8 @@ def check_split(layer: str, mesh, wi_spec, num_experts: int, intermediate: int) 
     return (), ()
   types = dict(zip(mesh.axis_names, mesh.axis_types))
   spec = tuple(wi_spec or ()) + (None,) * 3
-  split = (("num_experts", _axes(spec[0]), num_experts, 0),
-           ("intermediate_size", _axes(spec[2]), intermediate, 2))
+  split = (("num_experts", lm.axes(spec[0]), num_experts, 0),
+           ("intermediate_size", lm.axes(spec[2]), intermediate, 2))
   for what, axes, size, dim in split:
     for axis in axes:
       if axis not in types:
@@ -175,27 +168,12 @@ def _plan(layer: str, mesh, x, wi_spec, num_experts: int, intermediate: int) -> 
   manual = explicit | set(experts) | set(mlp)
   if not manual:
     return None
-  lead = tuple(tuple(a for a in d if a in explicit) for d in _type_dims(x)[:-1])
+  lead = tuple(tuple(a for a in d if a in explicit) for d in lm.type_dims(x)[:-1])
   tokens = [a for d in lead for a in d]
   gather = tuple(a for a in tokens if a in experts + mlp)
   reduce = tuple(a for a in experts + mlp if a not in gather)
   return _Plan(frozenset(manual), explicit, lead, experts, mlp, tuple(tokens), gather,
                reduce)
-
-
-def _type_dims(x) -> list[tuple[str, ...]]:
-  """Per dimension of x, the mesh axes that its type shards it over (Explicit ones)."""
-  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()
-  return [_axes(e) for e in spec] + [()] * (x.ndim - len(spec))
-
-
-def _reshard(x, dims: tuple, keep: frozenset):
-  """x resharded to `dims` (per dimension, mesh axes) over the Explicit axes in `keep`; shard_map
-  takes Explicit arrays only in the layout its in_specs name."""
-  want = [tuple(a for a in d if a in keep) for d in dims]
-  if [tuple(a for a in d if a in keep) for d in _type_dims(x)] == want:
-    return x
-  return jax.sharding.reshard(x, P(*map(_entry, want)))
 
 
 def renormalizes(norm_topk_prob: bool | None, num_experts_per_tok: int) -> bool:
@@ -238,7 +216,7 @@ def expert_mlp(x, weights, experts, wi, wo, *, activation: str, impl: str, preci
   num_experts = wo.shape[0]
   flat = experts.reshape(-1)
   key = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
-  order = _argsort(key)
+  _, order = stable_argsort(key)
   sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
   xs = jnp.take(x, order // k, axis=0)
   matmul = functools.partial(grouped_matmul, group_sizes=sizes, impl=impl, precision=precision)
@@ -253,17 +231,6 @@ def expert_mlp(x, weights, experts, wi, wo, *, activation: str, impl: str, preci
   # The weighted sum in float32, like the routing weights; one rounding to dtype at the end.
   y = jnp.einsum("rkh,rk->rh", pairs.astype(jnp.float32), weights, precision=precision)
   return y.astype(dtype)
-
-
-def _argsort(key):
-  """jnp.argsort(key, stable=True) for a 1-D key, with indices typed as varying over the
-  shard_map axes that key varies over. jnp.argsort types them by its iota alone, as the same on
-  every device, and a gather by such indices then gets wrong gradients (JAX 0.10)."""
-  iota = lax.broadcasted_iota(jnp.int32, key.shape, 0)
-  varying = tuple(getattr(jax.typeof(key), "vma", ()))
-  if varying:
-    iota = lax.pcast(iota, varying, to="varying")
-  return lax.sort((key, iota), num_keys=1, is_stable=True)[1]
 
 
 def moe_mlp(layer: str, x, gate, wi: tuple, wo, *, num_experts_per_tok: int,
@@ -322,8 +289,10 @@ def moe_mlp(layer: str, x, gate, wi: tuple, wo, *, num_experts_per_tok: int,
     token_dims = (*plan.lead, ())
     dims = [token_dims, ((), ())] + [(plan.experts, (), plan.mlp)] * len(wi)
     dims.append((plan.experts, plan.mlp, ()))
-    args = [_reshard(a, d, plan.explicit) for a, d in zip([x, gate, *params], dims)]
-    spec = lambda d: P(*(_entry(tuple(a for a in axes if a in plan.manual)) for axes in d))
+    mesh = jax.sharding.get_abstract_mesh()
+    args = [lm.reshard(a, lm.spec(d, plan.explicit), mesh)
+            for a, d in zip([x, gate, *params], dims)]
+    spec = lambda d: lm.spec(d, plan.manual)
     y, pairs, probs = jax.shard_map(
       local, in_specs=tuple(map(spec, dims)), out_specs=(spec(token_dims), P(), P()),
       axis_names=set(plan.manual))(*args)

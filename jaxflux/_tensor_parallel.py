@@ -34,10 +34,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jaxflux import _fp8_recipe, ops
+from jaxflux import _fp8_recipe, _layer_mesh as lm, ops
 
 TENSOR_PARALLEL_MODES = (None, "column", "row")
-IMPLS = ("auto", "fused", "xla")
+IMPLS = lm.IMPLS
 # The tensor-parallel mesh axis when neither axis_name nor the kernel's partitioning names one.
 DEFAULT_AXIS = "tp"
 # The kernel dimension [in, out] that each mode shards, and what that dimension is called.
@@ -86,7 +86,7 @@ def axis_from_partitioning(
   where = (f"kernel partitioning {tuple(names)} from {source}"
            + ("" if rules is None else f", logical axis rules {tuple(rules)}"))
   logical = tuple(names)[dim] if len(tuple(names)) > dim else None
-  mapped = _axes(tuple(spec)[dim]) if len(tuple(spec)) > dim else ()
+  mapped = lm.axes(tuple(spec)[dim]) if len(tuple(spec)) > dim else ()
   if len(mapped) != 1:
     found = "no mesh axis" if not mapped else f"{len(mapped)} mesh axes {mapped}"
     raise ValueError(
@@ -112,7 +112,7 @@ def axis_origin(mode: str, names: tuple, spec: tuple, source: str) -> str:
   dim = SHARDED_DIM[mode]
   return (f"the kernel's partitioning {tuple(names)} from {source} puts its "
           f"{_DIM_ROLE[mode]} dimension ({tuple(names)[dim]!r}) on mesh axis "
-          f"{_axes(tuple(spec)[dim])[0]!r}")
+          f"{lm.axes(tuple(spec)[dim])[0]!r}")
 
 
 def check_config(
@@ -172,7 +172,7 @@ def resolve_mesh(layer: str, mode: str, mesh, axis_name: str, origin: str | None
       f"{layer}(tensor_parallel={mode!r}): the mesh has axes {mesh.axis_names} "
       f"and no axis {axis_name!r}. {fix}"
     )
-  if _axis_types(mesh)[axis_name] == AxisType.Manual:
+  if lm.axis_types(mesh)[axis_name] == AxisType.Manual:
     raise ValueError(
       f"{layer}(tensor_parallel={mode!r}): mesh axis {axis_name!r} is already "
       "manual (the layer is called inside a shard_map over it). Inside shard_map "
@@ -252,12 +252,12 @@ def tensor_parallel_matmul(
   # the types, so keep each array's existing Explicit sharding and add tp where
   # the layout needs it. Auto axes stay automatic: the compiler keeps their
   # sharding (e.g. a batch sharded over 'dp').
-  types = _axis_types(mesh)
+  types = lm.axis_types(mesh)
   explicit = {a for a, t in types.items() if t == AxisType.Explicit}
   manual = explicit | {axis_name}
 
   # Per dimension, the mesh axes sharding it (other than tp, which moves).
-  *batch, tokens, _ = _explicit_dims(x, explicit - {axis_name})
+  *batch, tokens, _ = lm.explicit_dims(x, explicit - {axis_name})
   # tp is the minor-most axis on the token dim, so gathering (or scattering) over
   # it stays within the block of tokens that the other axes give this device.
   # Without sequence parallelism the tokens keep their layout (never over tp) on both sides.
@@ -280,7 +280,7 @@ def tensor_parallel_matmul(
     args.extend(fp8_meta)
     dims.extend([((),)] * meta_count)  # replicated: scales [1], amax histories [length]
   if explicit:
-    args = [_reshard(a, _spec(d, explicit), mesh) for a, d in zip(args, dims)]
+    args = [lm.reshard(a, lm.spec(d, explicit), mesh) for a, d in zip(args, dims)]
 
   def local(x, kernel, *rest):
     rest = list(rest)
@@ -309,8 +309,8 @@ def tensor_parallel_matmul(
   y = jax.shard_map(
     local,
     mesh=mesh,
-    in_specs=tuple(_spec(d, manual) for d in dims),
-    out_specs=_spec(out_dims, manual),
+    in_specs=tuple(lm.spec(d, manual) for d in dims),
+    out_specs=lm.spec(out_dims, manual),
     axis_names=manual,
   )(*args)
   return jnp.moveaxis(y, -2, token_axis) if sequence_parallel else y
@@ -350,7 +350,7 @@ def apply_partitioning(value: jax.Array, names: tuple, mesh=None) -> jax.Array:
   if target.empty:
     if mesh is None:
       return value
-    if _typed_mesh(value) != mesh.abstract_mesh:
+    if lm.typed_mesh(value) != mesh.abstract_mesh:
       # Only the layer's mesh, no jax.set_mesh: JAX takes Explicit shardings under jit only
       # in a mesh context, so constrain over an all-Auto view of the same devices.
       view = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
@@ -359,68 +359,17 @@ def apply_partitioning(value: jax.Array, names: tuple, mesh=None) -> jax.Array:
     # Already typed over that mesh (a param made over it outside jit): keep to its types, so
     # that its cotangent has the same type.
     target = mesh
-  types = _axis_types(target)
-  dims = [_axes(n) for n in names]
+  types = lm.axis_types(target)
+  dims = [lm.axes(n) for n in names]
   explicit = {a for a, t in types.items() if t == AxisType.Explicit}
   auto = {a for a, t in types.items() if t == AxisType.Auto}
   if explicit:
-    value = _reshard(value, _spec(dims, explicit), target)
+    value = lm.reshard(value, lm.spec(dims, explicit), target)
   # On an all-Auto mesh also when no axis shards it: replicated is a layout too (and its
   # gradient's). On a mixed mesh that would drop the Explicit axes of an eager value.
   if any(n in auto for d in dims for n in d) or (auto and not explicit):
-    spec = _spec(dims, auto)
+    spec = lm.spec(dims, auto)
     concrete = isinstance(target, jax.sharding.Mesh)
     value = jax.lax.with_sharding_constraint(
       value, NamedSharding(target, spec) if concrete else spec)
   return value
-
-
-def _typed_mesh(x: jax.Array):
-  """The mesh of x's type (empty for an array that no mesh types)."""
-  return getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-
-
-def _axis_types(mesh) -> dict[str, AxisType]:
-  return dict(zip(mesh.axis_names, mesh.axis_types))
-
-
-def _axes(entry) -> tuple[str, ...]:
-  """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
-  return (entry,) if isinstance(entry, str) else tuple(entry or ())
-
-
-def _type_dims(x: jax.Array) -> list[tuple[str, ...]]:
-  """Per dimension of x, the mesh axes that its type shards it over (Explicit ones)."""
-  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()
-  return [_axes(e) for e in spec] + [()] * (x.ndim - len(spec))
-
-
-def _explicit_dims(x: jax.Array, keep: set[str]) -> list[tuple[str, ...]]:
-  """Per dimension of x, the axes in `keep` that its type shards it over."""
-  return [tuple(n for n in names if n in keep) for names in _type_dims(x)]
-
-
-def _spec(dims, keep: set[str]) -> P:
-  """PartitionSpec from per-dimension axis tuples, keeping only axes in `keep`."""
-  entries = []
-  for names in dims:
-    names = tuple(n for n in names if n in keep)
-    entries.append(None if not names else names[0] if len(names) == 1 else names)
-  return P(*entries)
-
-
-def _reshard(x: jax.Array, spec: P, mesh) -> jax.Array:
-  """Reshards x to `spec` over the Explicit axes of `mesh` (skipped when it already is).
-
-  The type's mesh counts, not only its spec: a replicated row bias laid out over the layer's
-  own mesh without `jax.set_mesh` is typed over an all-Auto view of it (apply_partitioning),
-  and entering shard_map under that type gives it a cotangent typed over the Explicit mesh,
-  which the backward pass rejects ("Expected cotangent type float32[N] but got float32[N]").
-  """
-  wanted = [_axes(e) for e in spec] + [()] * (x.ndim - len(spec))
-  abstract = mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh
-  if _type_dims(x) == wanted and _typed_mesh(x) == abstract:
-    return x
-  # A concrete mesh (the layer's `mesh` field) may be the only mesh around.
-  target = NamedSharding(mesh, spec) if isinstance(mesh, jax.sharding.Mesh) else spec
-  return jax.sharding.reshard(x, target)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 IMPLS = ("auto", "fused", "xla")
@@ -90,6 +89,17 @@ def mark_varying(a, axes):
   if hasattr(lax, "pcast"):  # jax >= 0.8
     return lax.pcast(a, missing, to="varying")
   return lax.pvary(a, missing)  # older jax
+
+
+def stable_argsort(keys, axes=None):
+  """(sorted keys, stable argsort indices) along the last axis of integer `keys`, the indices
+  typed varying over `axes` (default: the shard_map axes `keys` varies over). jnp.argsort types
+  them by its iota alone, as the same on every device, and a gather by such indices inside
+  shard_map then gets wrong gradients."""
+  iota = lax.broadcasted_iota(jnp.int32, keys.shape, keys.ndim - 1)
+  iota = mark_varying(iota, vma(keys) if axes is None else axes)
+  return lax.sort((keys.astype(jnp.int32), iota), dimension=keys.ndim - 1, num_keys=1,
+                  is_stable=True)
 
 
 def vma(a) -> frozenset:

@@ -92,7 +92,7 @@ def moe_routing(expert_ids, num_experts: int, axis_name: str, *,
   ids_all = expert_ids.reshape(tp, s)
   # Invalid ids sort last, as group G (dropped from the counts).
   keys = jnp.where((ids_all >= 0) & (ids_all < num_experts), ids_all, num_experts)
-  sorted_keys, pair_index = _argsort(keys, axes)
+  sorted_keys, pair_index = _common.stable_argsort(keys, axes)
   # Counts per (segment, group) as one bincount over segment-offset keys.
   offsets = jnp.arange(tp, dtype=jnp.int32)[:, None] * (num_experts + 1)
   counts = jnp.bincount((keys + offsets).reshape(-1), length=tp * (num_experts + 1))
@@ -102,19 +102,9 @@ def moe_routing(expert_ids, num_experts: int, axis_name: str, *,
   iota = _common.mark_varying(jnp.arange(s, dtype=jnp.int32), axes)
   row_index = jnp.zeros_like(order).at[order].set(iota).reshape(m, topk)
   # Segment-major rows in expert-major order; expert g's rows of segment 0 come first.
-  _, expert_order = _argsort(sorted_keys.reshape(-1), axes)
+  _, expert_order = _common.stable_argsort(sorted_keys.reshape(-1), axes)
   return MoeRouting(*(_common.mark_varying(a.astype(jnp.int32), axes)
                       for a in (group_sizes, pair_index, row_index, expert_order)))
-
-
-def _argsort(keys, axes):
-  """(sorted keys, stable argsort indices) along the last axis, the indices typed varying over
-  `axes` (jnp.argsort types them by its iota alone, as the same on every device, and a gather
-  by such indices inside shard_map then gets wrong gradients)."""
-  iota = lax.broadcasted_iota(jnp.int32, keys.shape, keys.ndim - 1)
-  iota = _common.mark_varying(iota, axes)
-  return lax.sort((keys.astype(jnp.int32), iota), dimension=keys.ndim - 1, num_keys=1,
-                  is_stable=True)
 
 
 def _check(expert_ids, num_experts, tp: int | None):
