@@ -9,8 +9,8 @@
 #   tests   the GPU-marked tests of the tiers in GPU_TIERS (default: quick), one pytest run each:
 #             quick    -m "gpu and not slow": every kernel once, each fused op once across two
 #                      processes sharing a GPU, the layers' fused path training on one GPU.
-#                      Meant to take about 6 minutes on one H200; run it for every change to
-#                      GPU code.
+#                      Meant to take under 3 minutes on one H100 (benchmarks/README.md); run
+#                      it for every change to GPU code.
 #             full     all of the chunks below, each meant to fit 9 minutes on one H200 (one
 #                      device call each): kernels (the GEMM-only kernels in full, FP8 included, and
 #                      the tp=1 shape fuzz), ops (the fused ops across two processes: the shape

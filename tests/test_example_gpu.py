@@ -57,7 +57,8 @@ def test_fused_train_step_has_no_xla_tp_collectives_and_matches_flax(example):
   assert result["losses"][-1] < result["losses"][0]
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("fp8", [pytest.param(False, id="bf16"),
+                                 pytest.param(True, id="fp8", marks=pytest.mark.slow)])
 def test_tp1_fused_gemm_trains_like_flax(example, capsys, fp8):
   """At tp=1 the fused ops communicate nothing and run jaxflux's GEMM kernel alone (target
   jaxflux_gemm): per layer the four projections' forward and their dX in the backward (dW may

@@ -145,13 +145,15 @@ def test_benchmark_shapes_match_float32_reference(x_lead, k, n, fmt, request, re
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("x_lead,k,n", [
-    ((1000,), 256, 512),      # M not a multiple of the 128-row tile
-    ((130,), 1024, 384),      # one tile and two rows
-    ((1000,), 272, 144),      # K and N multiples of 16, not of any tile
-    ((3, 5), 64, 128),        # batched x: batch dims fold into M = 15, under one tile
-    ((2, 130), 272, 144),     # batched, M = 260
-], ids=["M1000", "M130", "K272-N144", "batch3x5", "batch2x130-K272-N144"])
+@pytest.mark.parametrize("x_lead,k,n", [  # the quick tier: the last, odd in every way at once
+    pytest.param((1000,), 256, 512, id="M1000", marks=pytest.mark.slow),  # M not a tile multiple
+    pytest.param((130,), 1024, 384, id="M130", marks=pytest.mark.slow),  # one tile and two rows
+    pytest.param((1000,), 272, 144, id="K272-N144",  # K and N multiples of 16, not of any tile
+                 marks=pytest.mark.slow),
+    pytest.param((3, 5), 64, 128, id="batch3x5",  # batch dims fold into M = 15, under one tile
+                 marks=pytest.mark.slow),
+    pytest.param((2, 130), 272, 144, id="batch2x130-K272-N144"),  # batched, M = 260
+])
 def test_odd_shapes_match_float32_reference(x_lead, k, n, fmt, request, record_property):
   _check_kernels(request.node.callspec.id, x_lead, k, n, fmt, record_property)
 
@@ -162,7 +164,7 @@ def test_odd_shapes_match_float32_reference(x_lead, k, n, fmt, request, record_p
     pytest.param((3,), 272, 144, id="M3-K272-N144", marks=pytest.mark.slow),  # K, N 16s only
     pytest.param((17,), 1024, 512, id="M17", marks=pytest.mark.slow),  # the 32-token tile
     pytest.param((64,), 2048, 1024, id="M64", marks=pytest.mark.slow),  # the 64-token tile
-    pytest.param((100,), 1024, 384, id="M100"),  # two 64-token tiles
+    pytest.param((100,), 1024, 384, id="M100", marks=pytest.mark.slow),  # two 64-token tiles
     pytest.param((2, 5), 512, 256, id="batch2x5", marks=pytest.mark.slow),  # folds into 10 rows
 ])
 def test_decode_rows_match_float32_reference(x_lead, k, n, fmt, request, record_property):

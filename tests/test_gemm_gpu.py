@@ -96,8 +96,10 @@ def test_every_kernel_matches_float32_reference(kernel, transpose_w, x_shape, n)
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,n,shape_class", [
     (4096, 2048, "few_waves"),
-    (12288, 2048, "many_waves.wide_bands"),   # 6144-row shards, 8 N tiles
-    (12288, 2560, "many_waves"),              # 10 N tiles: swizzle 8 would pad N
+    pytest.param(12288, 2048, "many_waves.wide_bands",  # 6144-row shards, 8 N tiles
+                 marks=pytest.mark.slow),
+    pytest.param(12288, 2560, "many_waves",  # 10 N tiles: swizzle 8 would pad N
+                 marks=pytest.mark.slow),
 ])
 def test_all_gather_gemm_swizzle_classes_match_float32_reference(rows, n, shape_class):
   """The all-gather GEMM as this GPU's tables tune each class (the classes the GEMM-only mode

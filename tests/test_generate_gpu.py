@@ -30,8 +30,12 @@ def gen():
     sys.path.remove(str(EXAMPLE.parent))
 
 
-@pytest.mark.parametrize("extra", [[], ["--moe", "4,2"], ["--moe", "4,1"], ["--batch", "1"]],
-                         ids=["dense", "moe-top2", "moe-top1", "batch1"])
+@pytest.mark.parametrize("extra", [
+    pytest.param([], id="dense"),
+    pytest.param(["--moe", "4,2"], id="moe-top2"),
+    pytest.param(["--moe", "4,1"], id="moe-top1", marks=pytest.mark.slow),
+    pytest.param(["--batch", "1"], id="batch1", marks=pytest.mark.slow),
+])
 def test_decodes_with_the_fused_kernels_as_close_to_float32_as_flax(gen, extra):
   gpus = len(jax.devices("gpu")) if jaxflux.has_cuda() else 0
   if gpus < 1 or ("--batch" in extra and gpus != 1):

@@ -180,7 +180,8 @@ def test_gradients_under_shard_map(w_spec, loss_axes):
 FP8_CASES = [
     pytest.param(300, 256, 384, (100, 0, 37, 163), id="odd-sizes-empty-middle"),
     pytest.param(520, 128, 264, (200, 100), id="sum-below-m"),
-    pytest.param(4096, 1024, 512, (0,) * 7 + (1000, 3000) + (0,) * 7 + (96,), id="17-groups"),
+    pytest.param(4096, 1024, 512, (0,) * 7 + (1000, 3000) + (0,) * 7 + (96,), id="17-groups",
+                 marks=pytest.mark.slow),
 ]
 
 

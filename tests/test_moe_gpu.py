@@ -35,6 +35,7 @@ def test_fused_layer_matches_ragged_dot_layer(activation):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_fused_layer_under_a_mesh_with_expert_rules():
   """Under jax.set_mesh with the experts' intermediate dimension on tp (the layer's shard_map
   path), as examples/train_tp_transformer.py --moe runs it: gradients equal the XLA path's."""

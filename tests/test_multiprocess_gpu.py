@@ -148,6 +148,7 @@ def test_moe_ops_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path
     assert out.count("PASS moe ") == 2 * 4 * 7 + 2 * 4, describe(results)
 
 
+@pytest.mark.slow  # the full tier's ops chunk: 33 s on one H100
 def test_a_dead_peer_sharing_one_gpu_fails_the_survivor(one_gpu_launcher, tmp_path):
   _assert_every_wait_timed_out(_run(one_gpu_launcher, tmp_path, "die", timeout=120, shared=True))
 
@@ -171,6 +172,7 @@ def test_fuzz_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path):
     assert out.count("PASS fuzz ") == len(cases), where
 
 
+@pytest.mark.slow  # the full tier's ops chunk
 def test_fused_mlp_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path):
   """Column-parallel all_gather_matmul, GELU, row-parallel matmul_reduce_scatter with
   impl="fused", forward and backward (jax.vjp) in one program, bf16 and fp16 at five shapes
