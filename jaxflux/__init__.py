@@ -39,10 +39,10 @@ __all__ = [
 def __getattr__(name):
   # The Flax layers import flax, which plain op users need not pay for at import time.
   if name == "Dense":
-    from jaxflux.linen import Dense
+    from jaxflux.layers.linen import Dense
     return Dense
   if name == "MoE":
-    from jaxflux.moe_linen import MoE
+    from jaxflux.layers.moe_linen import MoE
     return MoE
   if name == "nnx":
     import importlib

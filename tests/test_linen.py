@@ -287,5 +287,5 @@ def test_fused_impl_raises_without_kernel(mode):
 def test_docstring_example_runs():
   import doctest
 
-  import jaxflux.linen
-  assert doctest.testmod(jaxflux.linen, optionflags=doctest.ELLIPSIS).failed == 0
+  import jaxflux.layers.linen
+  assert doctest.testmod(jaxflux.layers.linen, optionflags=doctest.ELLIPSIS).failed == 0

@@ -373,7 +373,7 @@ def test_nnx_without_rules_or_mesh():
   assert y.shape == (5, HIDDEN)
 
 
-@pytest.mark.parametrize("module", ["jaxflux.moe_linen", "jaxflux.moe_nnx"])
+@pytest.mark.parametrize("module", ["jaxflux.layers.moe_linen", "jaxflux.layers.moe_nnx"])
 def test_docstring_examples_run(module):
   import doctest
   import importlib

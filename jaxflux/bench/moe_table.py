@@ -41,7 +41,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxflux import _moe
 from jaxflux.bench.config import (FLOOR_BANDWIDTH, MOE_AUX_WEIGHT, MOE_MAX_REL_DIFF,
                                   MOE_PARAM_DTYPE, MOE_TABLE_M, MOE_VARIANTS)
 from jaxflux.bench.grouped_table import _time_interleaved
@@ -51,7 +50,8 @@ from jaxflux.bench.summary import ratio
 from jaxflux.bench.table import error_lines, fmt
 from jaxflux.bench.timing import chain_kind
 from jaxflux.bench.variants import Variant
-from jaxflux.moe_linen import MoE
+from jaxflux.layers import _moe
+from jaxflux.layers.moe_linen import MoE
 
 # ratio key: (numerator, denominator) of ms[numerator] / ms[denominator]; higher is a faster
 # fused step.

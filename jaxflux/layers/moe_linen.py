@@ -8,8 +8,8 @@ import jax.numpy as jnp
 from flax.core import meta
 from flax.typing import Dtype, Initializer, PrecisionLike
 
-from jaxflux import _moe
-from jaxflux.linen import _LogicallyPartitioned, _laid_out
+from jaxflux.layers import _moe
+from jaxflux.layers.linen import _LogicallyPartitioned, _laid_out
 
 __all__ = ["MoE"]
 

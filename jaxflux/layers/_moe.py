@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, PartitionSpec as P
 
-from jaxflux import _layer_mesh as lm
+from jaxflux.layers import _layer_mesh as lm
 from jaxflux.ops import grouped_matmul
 from jaxflux.ops._common import stable_argsort
 

@@ -8,8 +8,7 @@ from flax.core import meta
 from flax.typing import Dtype, Initializer
 from jax import lax
 
-from jaxflux import _fp8_recipe
-from jaxflux import _tensor_parallel as tpm
+from jaxflux.layers import _fp8_recipe, _tensor_parallel as tpm
 
 __all__ = ["Dense"]
 

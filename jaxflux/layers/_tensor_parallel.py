@@ -34,7 +34,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jaxflux import _fp8_recipe, _layer_mesh as lm, ops
+from jaxflux import ops
+from jaxflux.layers import _fp8_recipe, _layer_mesh as lm
 
 TENSOR_PARALLEL_MODES = (None, "column", "row")
 IMPLS = lm.IMPLS

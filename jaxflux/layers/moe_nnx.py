@@ -8,8 +8,7 @@ from flax import nnx
 from flax.core import spmd as flax_spmd
 from flax.typing import Dtype, Initializer, PrecisionLike
 
-from jaxflux import _moe
-from jaxflux import _tensor_parallel as tpm
+from jaxflux.layers import _moe, _tensor_parallel as tpm
 
 __all__ = ["MoE"]
 
