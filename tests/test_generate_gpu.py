@@ -2,32 +2,19 @@
 raises): the dense model decodes through jaxflux's GEMM kernel and the MoE model through the
 grouped GEMM, each as close to the float32 reference as the same model built from
 flax.linen.Dense; a batch of one runs on the one-device mesh. Skipped unless jaxflux.has_cuda()."""
-import pathlib
-import sys
-
 import jax
 import numpy as np
 import pytest
 
 import jaxflux
 
-from conftest import load_script
+from test_generate import gen  # noqa: F401 (the example, loaded once as a fixture)
 
 pytestmark = pytest.mark.gpu
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "generate.py"
 SMALL = ["--tp", "1", "--impl", "fused", "--dtype", "bfloat16", "--prompt-len", "64",
          "--new-tokens", "8", "--hidden", "256", "--heads", "4", "--layers", "2", "--ffn", "512",
          "--vocab", "256", "--quiet"]
-
-
-@pytest.fixture(scope="module")
-def gen():
-  sys.path.insert(0, str(EXAMPLE.parent))
-  try:
-    yield load_script(EXAMPLE, "generate_gpu")
-  finally:
-    sys.path.remove(str(EXAMPLE.parent))
 
 
 @pytest.mark.parametrize("extra", [
