@@ -63,7 +63,33 @@ def sm_count() -> int:
   kernels' grids see them; 0 without a CUDA build and GPU, or where it can't be read."""
   if not has_cuda():
     return 0
-  return int(_ext.sm_count(min(d.local_hardware_id for d in _gpu_devices())))
+  return int(_ext.sm_count(_first_ordinal()))
+
+
+def _first_ordinal() -> int:
+  return min(d.local_hardware_id for d in _gpu_devices())
+
+
+def gemm_workspace_bytes(dtype, m: int, n: int, k: int, attrs: dict) -> int:
+  """Bytes of the workspace result a jaxflux_gemm call declares: [m, k] x [k, n], operand a of
+  `dtype`, with `attrs` (the call's attributes). The same description the handler launches
+  from; sized for this process's first GPU (the kernels size it by the SM count)."""
+  return int(_ext.gemm_workspace_bytes(jax.numpy.dtype(dtype).name, m, n, k,
+                                       device=_first_ordinal(), **attrs))
+
+
+def grouped_gemm_workspace_bytes(dtype, m: int, n: int, k: int, groups: int, attrs: dict) -> int:
+  """Bytes of the workspace result a jaxflux_grouped_gemm call declares (see
+  gemm_workspace_bytes): a [m, k], `groups` groups, the output's n, with `attrs`."""
+  return int(_ext.grouped_gemm_workspace_bytes(jax.numpy.dtype(dtype).name, m, n, k, groups,
+                                               device=_first_ordinal(), **attrs))
+
+
+def host_executions() -> dict:
+  """Times the host ran the execute stage of each command-buffer-compatible target
+  (jaxflux_gemm, jaxflux_grouped_gemm) in this process. A call XLA captured into a command
+  buffer runs on the host only when recorded, not when its graph is replayed."""
+  return dict(_ext.host_executions()) if cuda_built() else {}
 
 
 def gpu_compute_capabilities() -> set[str]:

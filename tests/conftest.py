@@ -45,6 +45,9 @@ def fake_hopper(monkeypatch):
   monkeypatch.setattr(_runtime, "target_name", lambda op: f"jaxflux_{op}")
   monkeypatch.setattr(_runtime, "register_targets", lambda: None)
   monkeypatch.setattr(_runtime, "sm_count", lambda: 132)
+  # The workspace results' sizes come from the CUDA module; any size traces alike.
+  monkeypatch.setattr(_runtime, "gemm_workspace_bytes", lambda *args: 1024)
+  monkeypatch.setattr(_runtime, "grouped_gemm_workspace_bytes", lambda *args: 1024)
 
 
 def make_mesh(shape, names, devices=None) -> Mesh:

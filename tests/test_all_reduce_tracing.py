@@ -27,6 +27,7 @@ def workspace(monkeypatch):
   monkeypatch.setattr(_runtime, "_gpu_devices", lambda: (_FakeGpu("9.0"), _FakeGpu("9.0")))
   monkeypatch.setattr(_runtime, "multi_process", lambda: False)
   monkeypatch.setattr(_runtime, "sm_count", lambda: 132)
+  monkeypatch.setattr(_runtime, "gemm_workspace_bytes", lambda *args: 1024)
   monkeypatch.setattr(_runtime, "ensure_workspace", lambda nbytes: asked.append(nbytes) or 0)
   monkeypatch.setattr(_runtime, "target_name", lambda op: f"jaxflux_{op}")
   monkeypatch.setattr(_runtime, "register_targets", lambda: frozenset())

@@ -23,6 +23,7 @@ def fake_gpu(monkeypatch):
   monkeypatch.setattr(tuning_device, "current", lambda: None)
   monkeypatch.setattr(_platform, "platform_reason", lambda axis_name=None: None)
   monkeypatch.setattr(_runtime, "ensure_workspace", lambda nbytes: 0)
+  monkeypatch.setattr(_runtime, "gemm_workspace_bytes", lambda *args: 1024)
   monkeypatch.setattr(_runtime, "target_name", lambda op: f"jaxflux_{op}")
 
 
@@ -275,6 +276,7 @@ def fake_hopper(monkeypatch):
   monkeypatch.setattr(_runtime, "multi_process", lambda: False)
   monkeypatch.setattr(_runtime, "sm_count", lambda: 132)
   monkeypatch.setattr(_runtime, "ensure_workspace", lambda nbytes: 0)
+  monkeypatch.setattr(_runtime, "gemm_workspace_bytes", lambda *args: 1024)
   monkeypatch.setattr(_runtime, "target_name", lambda op: f"jaxflux_{op}")
 
 

@@ -20,6 +20,7 @@
 #include "xla_ffi/ffi/gemm_ar.h"
 #include "xla_ffi/ffi/gemm_rs.h"
 #include "xla_ffi/ffi/grouped_gemm.h"
+#include "xla_ffi/ffi/host_executions.h"
 #include "xla_ffi/ffi/moe_gemm.h"
 #include "xla_ffi/ffi/rank_state_type.h"
 #include "xla_ffi/runtime/runtime.h"
@@ -33,6 +34,30 @@ namespace {
 template <typename T>
 nb::capsule Capsule(T* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+// The kernels' element type of operand a, by its numpy name.
+jaxflux::GemmDtype GemmDtypeNamed(const std::string& name) {
+  if (name == "bfloat16") return jaxflux::GemmDtype::kBF16;
+  if (name == "float16") return jaxflux::GemmDtype::kF16;
+  if (name == "float8_e4m3fn") return jaxflux::GemmDtype::kE4M3;
+  if (name == "float8_e5m2") return jaxflux::GemmDtype::kE5M2;
+  throw nb::value_error(("no GEMM kernel takes a of dtype " + name).c_str());
+}
+
+size_t OrRaise(std::optional<size_t> bytes, const std::string& error) {
+  if (!bytes) throw nb::value_error(error.c_str());
+  return *bytes;
+}
+
+// The kernels size their grids (and stream-K its workspace) by the SM count: refuse to size a
+// workspace for a device that can't report one.
+int32_t DeviceWithSms(int32_t device) {
+  if (jaxflux::DeviceSmCount(device) <= 0) {
+    throw nb::value_error(("no SM count for CUDA device " + std::to_string(device) +
+                           ": workspaces are sized on the GPU that runs the kernels").c_str());
+  }
+  return device;
 }
 #endif
 
@@ -97,6 +122,46 @@ NB_MODULE(_jaxflux, m) {
         nb::arg("ordinals"), nb::arg("bytes"), nb::arg("minimum_bytes"),
         "Grows the per-device arenas of `ordinals` to >= bytes; returns the generation to use.");
   m.def("workspace_bytes", &jaxflux::WorkspaceBytes, nb::arg("generation"));
+  // The workspace results of the targets XLA may capture into command buffers, sized at trace
+  // time from the same description the handlers launch from.
+  m.def("gemm_workspace_bytes",
+        [](const std::string& dtype, int64_t m, int64_t n, int64_t k, int64_t kernel,
+           int64_t transpose_w, int64_t tile, int64_t own_rows_schedule, int64_t push_chunks,
+           int64_t swizzle, int64_t grid_sms, int64_t fast_accum, int32_t device) {
+          std::string error;
+          const jaxflux::GemmChoice choice{kernel,      transpose_w, tile,     own_rows_schedule,
+                                           push_chunks, swizzle,     grid_sms, fast_accum};
+          return OrRaise(jaxflux::GemmWorkspaceBytes(GemmDtypeNamed(dtype), m, n, k, choice,
+                                                     DeviceWithSms(device), &error),
+                         error);
+        },
+        nb::arg("dtype"), nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("kernel"),
+        nb::arg("transpose_w"), nb::arg("tile"), nb::arg("own_rows_schedule"),
+        nb::arg("push_chunks"), nb::arg("swizzle"), nb::arg("grid_sms"), nb::arg("fast_accum"),
+        nb::arg("device"),
+        "Bytes of jaxflux_gemm's workspace result for [m, k] x [k, n] with these attributes.");
+  m.def("host_executions", []() {
+          nb::dict counts;
+          counts["jaxflux_gemm"] =
+              jaxflux::HostExecutions(jaxflux::CountedTarget::kGemm).load();
+          counts["jaxflux_grouped_gemm"] =
+              jaxflux::HostExecutions(jaxflux::CountedTarget::kGroupedGemm).load();
+          return counts;
+        },
+        "Times the host ran each command-buffer-compatible target's execute stage (a replayed "
+        "CUDA graph runs none).");
+  m.def("grouped_gemm_workspace_bytes",
+        [](const std::string& dtype, int64_t m, int64_t n, int64_t k, int64_t groups,
+           int64_t kind, int64_t transpose_w, int64_t tile, int32_t device) {
+          std::string error;
+          return OrRaise(jaxflux::GroupedGemmWorkspaceBytes(GemmDtypeNamed(dtype), m, n, k,
+                                                            groups, kind, transpose_w, tile,
+                                                            DeviceWithSms(device), &error),
+                         error);
+        },
+        nb::arg("dtype"), nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("groups"),
+        nb::arg("kind"), nb::arg("transpose_w"), nb::arg("tile"), nb::arg("device"),
+        "Bytes of jaxflux_grouped_gemm's workspace result for these operands and attributes.");
   m.def("set_timeout_ns", &jaxflux::SetTimeoutNs, nb::arg("timeout_ns"));
   m.def("set_sync_errors", &jaxflux::SetSyncErrors, nb::arg("sync"));
   m.def("take_device_error", []() -> nb::object {

@@ -28,9 +28,15 @@ def _call(a, b, group_sizes, out_shape, *, kind: int, transpose_w: bool, group_r
   _runtime.register_targets()
   if tile is None:
     tile = tuning.choose_grouped_matmul(group_rows=group_rows, n=out_shape[-1])
-  call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(out_shape, out_dtype or a.dtype))
-  out = call(a, b, group_sizes, *scales, kind=np.int64(kind),
-             transpose_w=np.int64(transpose_w), tile=np.int64(tuning.GROUPED_TILES.index(tile)))
+  attrs = dict(kind=kind, transpose_w=int(transpose_w), tile=tuning.GROUPED_TILES.index(tile))
+  # The workspace (per-group arguments, tensor maps) is a second result, sized here: the handler
+  # allocates nothing, so XLA can capture the call into a command buffer.
+  workspace = _runtime.grouped_gemm_workspace_bytes(a.dtype, a.shape[0], out_shape[-1],
+                                                    a.shape[1], group_sizes.shape[0], attrs)
+  call = jax.ffi.ffi_call(_TARGET, (jax.ShapeDtypeStruct(out_shape, out_dtype or a.dtype),
+                                    jax.ShapeDtypeStruct((workspace,), jnp.uint8)))
+  out, _ = call(a, b, group_sizes, *scales,
+                **{name: np.int64(value) for name, value in attrs.items()})
   # Inside shard_map the FFI result comes back unvarying; it varies as its operands do.
   axes = _common.vma(a) | _common.vma(b) | _common.vma(group_sizes)
   for s in scales:

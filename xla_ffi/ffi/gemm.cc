@@ -1,6 +1,6 @@
 // jaxflux_gemm: the GEMMs of the fused ops with communication off, D[..., M, N] = A[..., M, K] ·
-// B[K, N] (B [N, K] with transpose_w; leading axes of A fold into M). A benchmark feature: it
-// measures what fusion costs each GEMM against XLA's dot (cuBLAS).
+// B[K, N] (B [N, K] with transpose_w; leading axes of A fold into M). The dense ops run it at
+// tp=1, and the benchmark times it against XLA's dot (cuBLAS) to see what fusion costs a GEMM.
 //   kernel 0: CUTLASS's GEMM (GEMM+ReduceScatter's peer rows, GEMM+AllReduce): `tile` a
 //             GemmTiles (0 persistent 128x256, 1 stream-K 128x128, 2 the swap-AB decode GEMM);
 //   kernel 1: the AllGather+GEMM kernel with its waits off (one shard, no rotation);
@@ -9,16 +9,23 @@
 // jaxflux/tuning as for the fused ops. FP8 (a e4m3/e5m2, b e4m3 given [N, K], d bf16) takes two
 // more operands, a's row scales and b's column scales, applied in the epilogue; kernel 0 then
 // accumulates as `fast_accum` says, the fused kernels as they are built (kFp8FastAccum).
+//
+// The CUTLASS workspace is the call's second result, sized at trace time by
+// GemmWorkspaceBytes (the module's gemm_workspace_bytes), so execute allocates nothing, reads
+// nothing back and launches the same work for the same buffers: XLA may capture it into a
+// command buffer (CUDA graph) and replay it.
 #include "xla_ffi/ffi/gemm.h"
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/ffi/errors.h"
+#include "xla_ffi/ffi/host_executions.h"
 #include "xla_ffi/ffi/matmul_operands.h"
 #include "xla_ffi/ffi/push_plan.h"
 #include "xla_ffi/ffi/scratch.h"
@@ -92,28 +99,86 @@ ffi::Error CheckLaunch(const char* failure) {
   return ffi::Error::Success();
 }
 
-ffi::Error CheckChoices(int64_t kernel, int64_t transpose_w, int64_t tile,
-                        int64_t own_rows_schedule, int64_t push_chunks, int64_t swizzle,
-                        int64_t grid_sms, int64_t fast_accum) {
-  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "fast_accum", fast_accum, {0, 1}));
-  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "kernel", kernel, {kCutlass, kAllGatherMatmul,
-                                                              kOwnRows}));
-  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "transpose_w", transpose_w, {0, 1}));
-  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "tile", tile, {0, 1, 2}));
-  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "own_rows_schedule", own_rows_schedule, {0, 1}));
-  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "push_chunks", push_chunks, {0, 1}));
-  JAXFLUX_RETURN_IF_ERROR(CheckSwizzle(kOp, "swizzle", swizzle));
-  return CheckGridSms(kOp, grid_sms);
+ffi::Error CheckChoices(const GemmChoice& c) {
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "fast_accum", c.fast_accum, {0, 1}));
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "kernel", c.kernel, {kCutlass, kAllGatherMatmul,
+                                                                kOwnRows}));
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "transpose_w", c.transpose_w, {0, 1}));
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "tile", c.tile, {0, 1, 2}));
+  if (c.kernel != kCutlass && c.tile >= kAgGemmNumConfigs) {
+    return InvalidAttr(kOp, "tile", c.tile, "kernels 1 and 2 take 0 or 1");
+  }
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "own_rows_schedule", c.own_rows_schedule, {0, 1}));
+  JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "push_chunks", c.push_chunks, {0, 1}));
+  JAXFLUX_RETURN_IF_ERROR(CheckSwizzle(kOp, "swizzle", c.swizzle));
+  return CheckGridSms(kOp, c.grid_sms);
 }
 
-ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
-                       ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer c,
-                       ffi::RemainingArgs scales, ffi::Result<ffi::AnyBuffer> d, int64_t kernel,
+// The kernel launch of one call, its pointers null until the handler fills them: what the
+// workspace size and the launch are both computed from.
+struct GemmLaunch {
+  int64_t kernel = kCutlass;
+  GemmDtype dtype = GemmDtype::kBF16;
+  GemmProblem problem{};  // kernel 0
+  AgGemmProblem fused{};  // kernel 1
+  RsGemmProblem own{};    // kernel 2
+};
+
+ffi::Error Describe(GemmDtype dtype, int64_t m, int64_t n, int64_t k, const GemmChoice& choice,
+                    int32_t device, GemmLaunch* launch) {
+  JAXFLUX_RETURN_IF_ERROR(CheckChoices(choice));
+  launch->kernel = choice.kernel;
+  launch->dtype = dtype;
+  GemmProblem problem{nullptr, nullptr, nullptr, static_cast<int>(m), static_cast<int>(n),
+                      static_cast<int>(k), device};
+  problem.b_kmajor = choice.transpose_w == 1;
+  problem.swizzle = static_cast<int>(choice.swizzle);
+  problem.grid_sms = static_cast<int>(choice.grid_sms);
+  problem.batch_stride_row_scale = m;
+  problem.fast_accum = choice.fast_accum == 1;
+  problem.tiles = static_cast<GemmTiles>(choice.kernel == kCutlass ? choice.tile : 0);
+  launch->problem = problem;
+  if (choice.kernel == kAllGatherMatmul) {  // one shard (no rotation), waits off
+    AgGemmProblem& fused = launch->fused;
+    fused.gemm = problem;
+    fused.wait_for_flags = 0;
+    fused.config = static_cast<AgGemmConfig>(choice.tile);
+    fused.wait.tp = 1;
+    fused.wait.rows_per_shard = static_cast<int>(m);
+    fused.wait.chunk_ends[0] = static_cast<int>(m);  // one chunk (no waits anyway)
+  } else if (choice.kernel == kOwnRows) {  // D = A·B + C, no peer and no waits
+    RsGemmProblem& own = launch->own;
+    own.gemm = problem;
+    own.wait_for_flags = 0;
+    own.pingpong = choice.own_rows_schedule == 1 ? 1 : 0;
+    own.wait.tp = 1;
+    own.wait.rows_per_shard = static_cast<int>(m);
+    own.wait.chunk_ends[0] = static_cast<int>(m);  // one chunk: CUTLASS's tile order
+    if (choice.push_chunks == 1) {  // the tiles swept along N, as when the partial lands in chunks
+      const PushChunks chunks = PlanEvenChunks(static_cast<size_t>(m));
+      SetChunkEnds(&own.wait, chunks.ends, chunks.count);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+size_t LaunchWorkspaceBytes(const GemmLaunch& launch) {
+  switch (launch.kernel) {
+    case kAllGatherMatmul: return AgGemmSm90WorkspaceBytes(launch.dtype, launch.fused);
+    case kOwnRows: return RsGemmSm90WorkspaceBytes(launch.dtype, launch.own);
+    default: return GemmSm90WorkspaceBytes(launch.dtype, launch.problem);
+  }
+}
+
+ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                       ffi::AnyBuffer c, ffi::RemainingArgs scales, ffi::Result<ffi::AnyBuffer> d,
+                       ffi::Result<ffi::AnyBuffer> workspace, int64_t kernel,
                        int64_t transpose_w, int64_t tile, int64_t own_rows_schedule,
                        int64_t push_chunks, int64_t swizzle, int64_t grid_sms,
                        int64_t fast_accum) {
-  JAXFLUX_RETURN_IF_ERROR(CheckChoices(kernel, transpose_w, tile, own_rows_schedule, push_chunks,
-                                       swizzle, grid_sms, fast_accum));
+  CountHostExecution(CountedTarget::kGemm);
+  const GemmChoice choice{kernel, transpose_w, tile, own_rows_schedule,
+                          push_chunks, swizzle, grid_sms, fast_accum};
   int64_t m = 0, n = 0, k = 0;
   GemmDtype dtype = GemmDtype::kBF16;
   bool done = false;
@@ -130,56 +195,42 @@ ffi::Error GemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocato
     return ffi::Error::InvalidArgument("jaxflux gemm: kernel 2 needs c laid out like the output "
                                        "[..., M, N], in its dtype");
   }
-  GemmProblem problem{a.untyped_data(), b.untyped_data(), d->untyped_data(),
-                      static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), device};
-  problem.b_kmajor = transpose_w == 1;
-  problem.swizzle = static_cast<int>(swizzle);
-  problem.grid_sms = static_cast<int>(grid_sms);
-  problem.row_scale = row_scale;
-  problem.batch_stride_row_scale = m;
-  problem.col_scale = col_scale;
-  problem.fast_accum = fast_accum == 1;
-  void* workspace = nullptr;
+  GemmLaunch launch;
+  JAXFLUX_RETURN_IF_ERROR(Describe(dtype, m, n, k, choice, device, &launch));
+  void* space = nullptr;
+  JAXFLUX_RETURN_IF_ERROR(
+      WorkspaceFromResult(kOp, *workspace, LaunchWorkspaceBytes(launch), &space));
+  for (GemmProblem* p : {&launch.problem, &launch.fused.gemm, &launch.own.gemm}) {
+    p->a = a.untyped_data();
+    p->b = b.untyped_data();
+    p->d = d->untyped_data();
+    p->row_scale = row_scale;
+    p->col_scale = col_scale;
+  }
+  launch.own.c = c.untyped_data();
   const char* failure = nullptr;
-  if (kernel == kCutlass) {
-    problem.tiles = static_cast<GemmTiles>(tile);
-    JAXFLUX_RETURN_IF_ERROR(
-        AllocateScratch(kOp, scratch, GemmSm90WorkspaceBytes(dtype, problem), &workspace));
-    failure = GemmSm90(dtype, problem, workspace, stream);
-  } else if (tile >= kAgGemmNumConfigs) {
-    return InvalidAttr(kOp, "tile", tile, "kernels 1 and 2 take 0 or 1");
-  } else if (kernel == kAllGatherMatmul) {  // one shard (no rotation), waits off
-    AgGemmProblem fused{};
-    fused.gemm = problem;
-    fused.wait_for_flags = 0;
-    fused.config = static_cast<AgGemmConfig>(tile);
-    fused.wait.tp = 1;
-    fused.wait.rows_per_shard = static_cast<int>(m);
-    fused.wait.chunk_ends[0] = static_cast<int>(m);  // one chunk (no waits anyway)
-    JAXFLUX_RETURN_IF_ERROR(
-        AllocateScratch(kOp, scratch, AgGemmSm90WorkspaceBytes(dtype, fused), &workspace));
-    failure = AgGemmSm90(dtype, fused, workspace, stream);
-  } else {  // kOwnRows: D = A·B + C, no peer and no waits
-    RsGemmProblem own{};
-    own.gemm = problem;
-    own.c = c.untyped_data();
-    own.wait_for_flags = 0;
-    own.pingpong = own_rows_schedule == 1 ? 1 : 0;
-    own.wait.tp = 1;
-    own.wait.rows_per_shard = static_cast<int>(m);
-    own.wait.chunk_ends[0] = static_cast<int>(m);  // one chunk: CUTLASS's tile order
-    if (push_chunks == 1) {  // the tiles swept along N, as when the partial lands in chunks
-      const PushChunks chunks = PlanEvenChunks(static_cast<size_t>(m));
-      SetChunkEnds(&own.wait, chunks.ends, chunks.count);
-    }
-    JAXFLUX_RETURN_IF_ERROR(
-        AllocateScratch(kOp, scratch, RsGemmSm90WorkspaceBytes(dtype, own), &workspace));
-    failure = RsGemmSm90(dtype, own, workspace, stream);
+  switch (kernel) {
+    case kAllGatherMatmul: failure = AgGemmSm90(dtype, launch.fused, space, stream); break;
+    case kOwnRows: failure = RsGemmSm90(dtype, launch.own, space, stream); break;
+    default: failure = GemmSm90(dtype, launch.problem, space, stream);
   }
   return CheckLaunch(failure);
 }
 
 }  // namespace
+
+std::optional<size_t> GemmWorkspaceBytes(GemmDtype dtype, int64_t m, int64_t n, int64_t k,
+                                         const GemmChoice& choice, int32_t device,
+                                         std::string* error) {
+  if (m <= 0 || n <= 0 || k <= 0) return 0;  // nothing launched
+  GemmLaunch launch;
+  if (ffi::Error e = Describe(dtype, m, n, k, choice, device, &launch); e.failure()) {
+    *error = e.message();
+    return std::nullopt;
+  }
+  return LaunchWorkspaceBytes(launch);
+}
+
 }  // namespace jaxflux
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -187,12 +238,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this device
         .Ctx<xla::ffi::DeviceOrdinal>()                 // CUDA ordinal (SM count for the grid)
-        .Ctx<xla::ffi::ScratchAllocator>()              // CUTLASS workspace, if any
         .Arg<xla::ffi::AnyBuffer>()                     // a: [..., M, K]
         .Arg<xla::ffi::AnyBuffer>()                     // b: [K, N] ([N, K]: transpose_w)
         .Arg<xla::ffi::AnyBuffer>()                     // c: [..., M, N] (kernel 2), else unused
         .RemainingArgs()                                // FP8: a's row and b's column scales
         .Ret<xla::ffi::AnyBuffer>()                     // d: [..., M, N]
+        .Ret<xla::ffi::AnyBuffer>()                     // workspace: u8, GemmWorkspaceBytes
         .Attr<int64_t>("kernel")                        // 0 CUTLASS, 1 AG+GEMM, 2 own rows
         .Attr<int64_t>("transpose_w")                   // 1: b is [N, K], read K-major
         .Attr<int64_t>("tile")                          // 0: GemmTiles; 1: AgGemmConfig
@@ -200,4 +251,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("push_chunks")                   // kernel 2: 1 tiles along N, as chunked
         .Attr<int64_t>("swizzle")                       // 1, 2, 4 or 8
         .Attr<int64_t>("grid_sms")                      // 0: all SMs
-        .Attr<int64_t>("fast_accum"));                  // FP8, kernel 0: 1 fast accumulation
+        .Attr<int64_t>("fast_accum"),                   // FP8, kernel 0: 1 fast accumulation
+    {xla::ffi::Traits::kCmdBufferCompatible});

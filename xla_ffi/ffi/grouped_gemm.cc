@@ -7,17 +7,22 @@
 //   FP8 (kind 0, a and b e4m3, b [G, n, k] with transpose_w): two more operands, row_scale [m]
 //                         and col_scale [G, n] (float32); d bf16, d[i] = (a[i] · b[g]ᵀ) ·
 //                         row_scale[i] · col_scale[g] in fp32, rounded once.
-// `tile` is a GroupedGemmTiles, chosen by jaxflux/tuning.
+// `tile` is a GroupedGemmTiles, chosen by jaxflux/tuning. The workspace (per-group arguments
+// and tensor maps, written on the device) is the call's second result, sized at trace time by
+// GroupedGemmWorkspaceBytes: execute allocates nothing and never reads the sizes back, so XLA may
+// capture it into a command buffer.
 #include "xla_ffi/ffi/grouped_gemm.h"
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/ffi/errors.h"
+#include "xla_ffi/ffi/host_executions.h"
 #include "xla_ffi/ffi/scratch.h"
 #include "xla_ffi/kernels/grouped_gemm_sm90.h"
 
@@ -143,19 +148,26 @@ ffi::Error ReadScales(ffi::RemainingArgs scales, GemmDtype dtype, GroupedGemmPro
   return ffi::Error::Success();
 }
 
-ffi::Error GroupedGemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
-                              ffi::AnyBuffer a, ffi::AnyBuffer b,
-                              ffi::Buffer<ffi::S32> group_sizes, ffi::RemainingArgs scales,
-                              ffi::Result<ffi::AnyBuffer> d, int64_t kind, int64_t transpose_w,
-                              int64_t tile) {
+ffi::Error Describe(int64_t kind, int64_t transpose_w, int64_t tile, int32_t device,
+                    GroupedGemmProblem* problem) {
   JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "kind", kind, {0, 1}));
   JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "transpose_w", transpose_w, {0, 1}));
   JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(kOp, "tile", tile, {0, 1}));
+  problem->kind = static_cast<GroupedGemmKind>(kind);
+  problem->b_kmajor = transpose_w == 1;
+  problem->tiles = static_cast<GroupedGemmTiles>(tile);
+  problem->device = device;
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedGemmExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
+                              ffi::AnyBuffer b, ffi::Buffer<ffi::S32> group_sizes,
+                              ffi::RemainingArgs scales, ffi::Result<ffi::AnyBuffer> d,
+                              ffi::Result<ffi::AnyBuffer> workspace, int64_t kind,
+                              int64_t transpose_w, int64_t tile) {
+  CountHostExecution(CountedTarget::kGroupedGemm);
   GroupedGemmProblem problem{};
-  problem.kind = static_cast<GroupedGemmKind>(kind);
-  problem.b_kmajor = transpose_w == 1;
-  problem.tiles = static_cast<GroupedGemmTiles>(tile);
-  problem.device = device;
+  JAXFLUX_RETURN_IF_ERROR(Describe(kind, transpose_w, tile, device, &problem));
   GemmDtype dtype = GemmDtype::kBF16;
   JAXFLUX_RETURN_IF_ERROR(CheckOperands(a, b, group_sizes, d, problem.kind, problem.b_kmajor,
                                         &dtype, &problem));
@@ -167,10 +179,10 @@ ffi::Error GroupedGemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchA
   problem.b = b.untyped_data();
   problem.group_sizes = group_sizes.typed_data();
   problem.d = d->untyped_data();
-  void* workspace = nullptr;
-  JAXFLUX_RETURN_IF_ERROR(AllocateScratch(
-      kOp, scratch, GroupedGemmSm90WorkspaceBytes(dtype, problem), &workspace));
-  if (const char* failure = GroupedGemmSm90(dtype, problem, workspace, stream)) {
+  void* space = nullptr;
+  JAXFLUX_RETURN_IF_ERROR(WorkspaceFromResult(
+      kOp, *workspace, GroupedGemmSm90WorkspaceBytes(dtype, problem), &space));
+  if (const char* failure = GroupedGemmSm90(dtype, problem, space, stream)) {
     return OpError(kOp, failure);
   }
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
@@ -180,6 +192,25 @@ ffi::Error GroupedGemmExecute(cudaStream_t stream, int32_t device, ffi::ScratchA
 }
 
 }  // namespace
+
+std::optional<size_t> GroupedGemmWorkspaceBytes(GemmDtype dtype, int64_t m, int64_t n, int64_t k,
+                                                int64_t groups, int64_t kind,
+                                                int64_t transpose_w, int64_t tile,
+                                                int32_t device, std::string* error) {
+  GroupedGemmProblem problem{};
+  if (ffi::Error e = Describe(kind, transpose_w, tile, device, &problem); e.failure()) {
+    *error = e.message();
+    return std::nullopt;
+  }
+  const int64_t contraction = kind == 0 ? k : m;
+  if (m <= 0 || n <= 0 || k <= 0 || groups <= 0 || contraction <= 0) return 0;  // zeros only
+  problem.m = static_cast<int>(m);
+  problem.n = static_cast<int>(n);
+  problem.k = static_cast<int>(k);
+  problem.groups = static_cast<int>(groups);
+  return GroupedGemmSm90WorkspaceBytes(dtype, problem);
+}
+
 }  // namespace jaxflux
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -187,12 +218,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this device
         .Ctx<xla::ffi::DeviceOrdinal>()                 // CUDA ordinal (SM count for the grid)
-        .Ctx<xla::ffi::ScratchAllocator>()              // per-group arguments, tensor maps
         .Arg<xla::ffi::AnyBuffer>()                     // a: [m, k], rows sorted by group
         .Arg<xla::ffi::AnyBuffer>()                     // b: [G, k, n] / [G, n, k]; kind 1 [m, n]
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes: [G]
         .RemainingArgs()                                // FP8: row_scale [m], col_scale [G, n]
         .Ret<xla::ffi::AnyBuffer>()                     // d: [m, n]; kind 1 [G, k, n]
+        .Ret<xla::ffi::AnyBuffer>()                     // workspace: u8, its WorkspaceBytes
         .Attr<int64_t>("kind")                          // 0 forward, 1 weight gradient
         .Attr<int64_t>("transpose_w")                   // kind 0: 1 b is [G, n, k]
-        .Attr<int64_t>("tile"));                        // GroupedGemmTiles
+        .Attr<int64_t>("tile"),                         // GroupedGemmTiles
+    {xla::ffi::Traits::kCmdBufferCompatible});

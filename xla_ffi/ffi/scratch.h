@@ -1,4 +1,6 @@
-// CUTLASS workspace from XLA's scratch allocator, the same way in every handler.
+// CUTLASS workspace, the same way in every handler: from XLA's scratch allocator (the fused
+// cross-process ops), or from a result the call declares (the handlers XLA may capture into a
+// command buffer, which must not allocate while executing).
 #pragma once
 
 #include <cstddef>
@@ -26,6 +28,26 @@ inline xla::ffi::Error AllocateScratch(const char* op, xla::ffi::ScratchAllocato
     return OpError(op, "XLA's scratch allocator returned a block not 16-byte aligned");
   }
   *workspace = *allocation;
+  return xla::ffi::Error::Success();
+}
+
+// `bytes` of `buffer` (a u8 result sized at trace time) into *workspace (nullptr for 0 bytes).
+// XLA's buffers are at least 64-byte aligned, more than CUTLASS's workspaces and the 16-byte
+// TMA accesses need, so the pointer is only checked.
+inline xla::ffi::Error WorkspaceFromResult(const char* op, xla::ffi::AnyBuffer buffer,
+                                           size_t bytes, void** workspace) {
+  *workspace = nullptr;
+  if (bytes == 0) return xla::ffi::Error::Success();
+  if (buffer.size_bytes() < bytes) {
+    return OpError(op, "the workspace result holds " + std::to_string(buffer.size_bytes()) +
+                           " bytes; this call needs " + std::to_string(bytes) +
+                           " (jaxflux sizes it at trace time: was the program traced for "
+                           "another GPU?)");
+  }
+  if (reinterpret_cast<uintptr_t>(buffer.untyped_data()) % 16 != 0) {
+    return OpError(op, "the workspace result is not 16-byte aligned");
+  }
+  *workspace = buffer.untyped_data();
   return xla::ffi::Error::Success();
 }
 
