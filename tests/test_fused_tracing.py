@@ -138,6 +138,36 @@ def test_gemm_kernels_are_tuned_as_the_fused_ops_tune_them(fake_gpu, monkeypatch
   assert forced["swizzle"] == {"cutlass": 1, "all_gather_matmul": 2, "own_rows": 8}[kernel]
 
 
+def test_gemm_and_grouped_gemm_declare_their_workspace_as_a_sized_result(fake_gpu, monkeypatch):
+  """The workspace is a second u8 result, sized by the module for the call's own rows (leading
+  axes folded), N, K and attributes, so the handler allocates nothing (command buffers)."""
+  asked = []
+  monkeypatch.setattr(_runtime, "register_targets", lambda: frozenset())
+  monkeypatch.setattr(_runtime, "gemm_workspace_bytes",
+                      lambda dtype, m, n, k, attrs: asked.append((m, n, k, attrs)) or 4096)
+  monkeypatch.setattr(_runtime, "grouped_gemm_workspace_bytes",
+                      lambda dtype, m, n, k, groups, attrs: asked.append((m, n, k, groups, attrs))
+                      or 768)
+  x = jax.ShapeDtypeStruct((3, 16, 64), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)
+  [eqn] = [e for e in equations(jax.make_jaxpr(
+      lambda x, w: gemm(x, w, kernel="matmul_all_reduce"))(x, w)) if e.primitive.name == "ffi_call"]
+  assert [(o.aval.shape, o.aval.dtype) for o in eqn.outvars] == [((3, 16, 32), jnp.bfloat16),
+                                                                 ((4096,), jnp.uint8)]
+  m, n, k, attrs = asked.pop()
+  assert (m, n, k) == (48, 32, 64)
+  assert attrs == {name: int(v) for name, v in dict(eqn.params["attributes"]).items()}
+  xg = jax.ShapeDtypeStruct((40, 64), jnp.bfloat16)
+  wg = jax.ShapeDtypeStruct((4, 64, 32), jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+  [eqn] = [e for e in equations(jax.make_jaxpr(
+      lambda x, w, g: jaxflux.grouped_matmul(x, w, g, impl="fused"))(xg, wg, sizes))
+      if e.primitive.name == "ffi_call"]
+  assert eqn.outvars[1].aval.shape == (768,) and eqn.outvars[1].aval.dtype == jnp.uint8
+  m, n, k, groups, attrs = asked.pop()
+  assert (m, n, k, groups) == (40, 32, 64, 4) and attrs["kind"] == 0
+
+
 def test_fused_reduce_scatter_forward_and_grad_trace(fake_gpu):
   x = jnp.ones((8, 64), jnp.bfloat16)   # per device [M=8, K=32]
   w = jnp.ones((64, 32), jnp.bfloat16)  # per device [K=32, N=32]
