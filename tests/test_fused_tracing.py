@@ -168,6 +168,21 @@ def test_gemm_and_grouped_gemm_declare_their_workspace_as_a_sized_result(fake_gp
   assert (m, n, k, groups) == (40, 32, 64, 4) and attrs["kind"] == 0
 
 
+def test_the_grouped_tile_override_reaches_every_call_it_traces(fake_gpu, monkeypatch):
+  monkeypatch.setattr(_runtime, "register_targets", lambda: frozenset())
+  monkeypatch.setattr(_runtime, "grouped_gemm_workspace_bytes", lambda *args: 256)
+  x = jnp.ones((40, 64), jnp.bfloat16)
+  w = jnp.ones((4, 64, 32), jnp.bfloat16)
+  sizes = jnp.array([10, 10, 10, 10], jnp.int32)
+  for tile in tuning.GROUPED_TILES:  # a function of its own per block: JAX caches its traces
+    loss = lambda x, w: jnp.sum(jaxflux.grouped_matmul(x, w, sizes, impl="fused")  # noqa: E731
+                                .astype(jnp.float32))
+    with tuning.override("grouped_matmul", tile=tile):
+      calls = _ffi_calls(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w))
+    assert len(calls) == 3  # forward, dx, dw
+    assert all(attrs["tile"] == tuning.GROUPED_TILES.index(tile) for _, attrs in calls), calls
+
+
 def test_fused_reduce_scatter_forward_and_grad_trace(fake_gpu):
   x = jnp.ones((8, 64), jnp.bfloat16)   # per device [M=8, K=32]
   w = jnp.ones((64, 32), jnp.bfloat16)  # per device [K=32, N=32]

@@ -372,6 +372,23 @@ def test_a_chunked_all_reduce_push_needs_unbatched_x():
       tuning.choose_matmul_all_reduce(**{**DECODE, "batch": 3})
 
 
+def test_a_grouped_tile_override_is_checked_and_scoped():
+  """grouped_matmul reads the override where it is called (test_fused_tracing checks the tile
+  reaches its kernel calls); the tuned choice itself does not change."""
+  default = tuning.choose_grouped_matmul(group_rows=128, n=1536)
+  other = next(t for t in tuning.GROUPED_TILES if t != default)
+  with tuning.override("grouped_matmul", tile=other):
+    assert tuning.overrides("grouped_matmul") == {"tile": other}
+  assert tuning.overrides("grouped_matmul") == {}
+  with pytest.raises(ValueError, match=r"tile='tiny' is not valid; tile takes "
+                                       r"'cooperative_128x256' or 'pingpong_128x128'"):
+    with tuning.override("grouped_matmul", tile="tiny"):
+      pass
+  with pytest.raises(ValueError, match=r"unknown field 'swizzle'"):
+    with tuning.override("grouped_matmul", swizzle=2):
+      pass
+
+
 def test_grouped_tile_choice_is_the_evidence_winner():
   """The grouped GEMM's one tile is the faster of the two over the evidence's rows (geometric
   mean of the time ratios), and the evidence times both tiles on every row."""

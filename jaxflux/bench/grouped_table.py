@@ -40,12 +40,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxflux.bench.config import (DIRICHLET_ALPHA, FLOOR_BANDWIDTH, GROUPED_BACKWARD,
                                   GROUPED_TABLE_M, GROUPED_TILE_VARIANTS, GROUPED_VARIANTS,
                                   ROUTINGS)
-from jaxflux.bench.inputs import _generator
-from jaxflux.bench.measure import _error_text, _prepare, _rel_err
+from jaxflux.bench.inputs import random_input
+from jaxflux.bench.measure import error_text, prepare, relative_error
 from jaxflux.bench.summary import ratio
 from jaxflux.bench.table import error_lines, fmt
 from jaxflux.bench.variants import Variant
-from jaxflux.ops import FusedKernelUnavailableError, _grouped_kernel, _platform
+from jaxflux import tuning
 from jaxflux.ops.grouped_matmul import grouped_matmul
 
 # ratio key: (numerator, denominator) of ms[numerator] / ms[denominator]; every ratio is higher
@@ -151,11 +151,10 @@ def _grouped(x, w, sizes, impl: str):
 
 
 def _with_tile(x, w, sizes, tile: str):
-  """The fused kernel with its tile config forced (the evidence of the tuning's choice)."""
-  reason = _platform.platform_reason()
-  if reason is not None:
-    raise FusedKernelUnavailableError(f"grouped_matmul(tile={tile!r}): {reason}")
-  return _grouped_kernel.grouped_matmul(x, w, sizes, False, tile)
+  """The fused kernel with its tile config forced (the evidence of the tuning's choice); traced
+  inside the override block, which a forward-only variant needs no more of."""
+  with tuning.override("grouped_matmul", tile=tile):
+    return _grouped(x, w, sizes, "fused")
 
 
 def _forward(base: str) -> Callable:
@@ -217,7 +216,7 @@ def make_inputs(row: GroupedRow, mesh: Mesh, counts: dict[str, tuple[tuple[str, 
     for i, name in enumerate(sorted(row.shapes)):
       if copies.get(name, 0) > s:
         key = jax.random.fold_in(jax.random.fold_in(base, s), i)
-        arrays[name] = _generator(row.shapes[name], row.dtype, sharding)(key)
+        arrays[name] = random_input(row.shapes[name], row.dtype, sharding)(key)
     sets.append(arrays)
   jax.block_until_ready(sets)
   return sets
@@ -265,12 +264,12 @@ def _check(name: str, row: GroupedRow, timed, y, cache: dict) -> float:
     args = timed.args[last]  # the variant's inputs, in its order
     cache[family] = jax.jit(_reference(name, row))(*args)
   pairs = zip(jax.tree.leaves(y), jax.tree.leaves(cache[family]))
-  return max(float(_rel_err(a, b)) for a, b in pairs)
+  return max(float(relative_error(a, b)) for a, b in pairs)
 
 
 # --- one row ------------------------------------------------------------------------------------
 
-def _time_interleaved(prepared: dict, repeats: int, errors: dict) -> dict[str, list[float]]:
+def time_interleaved(prepared: dict, repeats: int, errors: dict) -> dict[str, list[float]]:
   """ms per call of each prepared variant over `repeats` rounds, the order rotated each round;
   a variant that fails while timing is dropped with its error."""
   samples: dict[str, list[float]] = {n: [] for n in prepared}
@@ -281,7 +280,7 @@ def _time_interleaved(prepared: dict, repeats: int, errors: dict) -> dict[str, l
       try:
         samples[name].append(prepared[name].timed.time_ms())
       except Exception as e:  # noqa: BLE001 - recorded; the other variants go on
-        errors[name] = "failed while timing: " + _error_text(e)
+        errors[name] = "failed while timing: " + error_text(e)
         del prepared[name], samples[name]
   return samples
 
@@ -299,18 +298,18 @@ def bench_row(row: GroupedRow, mesh: Mesh, variants: list[str], args, log=print)
   for name, variant in built.items():
     sets = input_sets[:counts[name][1]]
     try:
-      prep, y = _prepare(variant, mesh, sets, args)
+      prep, y = prepare(variant, mesh, sets, args)
     except Exception as e:  # noqa: BLE001 - a variant that cannot run is recorded, never replaced
-      errors[name] = _error_text(e)
+      errors[name] = error_text(e)
       continue
     try:
       rel_err[name] = _check(name, row, prep.timed, y, references)
     except Exception as e:  # noqa: BLE001 - the check's failure does not stop the timing
-      errors[f"{name}_rel_err"] = _error_text(e)
+      errors[f"{name}relative_error"] = error_text(e)
     del y
     prepared[name] = prep
   del references
-  samples = _time_interleaved(prepared, args.repeats, errors)
+  samples = time_interleaved(prepared, args.repeats, errors)
   record = summarize_row(row, samples, errors, rel_err,
                          {n: p.timed.calls for n, p in prepared.items()},
                          {n: round(p.compile_s, 3) for n, p in prepared.items()},

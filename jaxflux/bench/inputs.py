@@ -68,7 +68,7 @@ def input_set_count(row: Row, rotate_mib: float) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _generator(shape: tuple[int, ...], dtype: str, sharding: NamedSharding) -> Callable:
+def random_input(shape: tuple[int, ...], dtype: str, sharding: NamedSharding) -> Callable:
   return jax.jit(lambda key: jax.random.normal(key, shape, jnp.dtype(dtype)),
                  out_shardings=sharding)
 
@@ -92,7 +92,7 @@ def make_inputs(row: Row, mesh: Mesh, n_sets: int, seed: int) -> list[dict[str, 
       if name == "wt":  # w itself, transposed: the variant must compute the same product
         continue
       key = jax.random.fold_in(jax.random.fold_in(base, s), i)
-      arrays[name] = _generator(shape, row.dtype, NamedSharding(mesh, spec))(key)
+      arrays[name] = random_input(shape, row.dtype, NamedSharding(mesh, spec))(key)
     if "wt" in layouts:
       arrays["wt"] = _transposer(NamedSharding(mesh, layouts["wt"][1]))(arrays["w"])
     sets.append(arrays)

@@ -24,7 +24,7 @@ from jaxflux.bench.variants import Unavailable, Variant, make_variant, pallas_va
 
 
 @jax.jit
-def _rel_err(y, ref):
+def relative_error(y, ref):
   y, ref = y.astype(jnp.float32), ref.astype(jnp.float32)
   return jnp.linalg.norm((y - ref).ravel()) / jnp.linalg.norm(ref.ravel())
 
@@ -37,7 +37,7 @@ def _as_stacked(y: jax.Array, row: Row, variant: Variant) -> jax.Array:
   return y
 
 
-def _error_text(e: BaseException, limit: int = 600) -> str:
+def error_text(e: BaseException, limit: int = 600) -> str:
   text = f"{type(e).__name__}: {e}".strip()
   text = re.sub(r"\s+", " ", text)
   return text if len(text) <= limit else text[:limit] + "..."
@@ -56,7 +56,7 @@ def _reference_error(variant: Variant, timed: _Timed, y: jax.Array, input_sets: 
   want = cache[key]
   if variant.reference_view is not None:
     want = variant.reference_view(want)
-  return float(_rel_err(y, want))
+  return float(relative_error(y, want))
 
 
 def _gemm_calls(timed: _Timed) -> tuple[list[str], bool]:
@@ -72,7 +72,7 @@ class _Prepared:
   compile_s: float
 
 
-def _prepare(variant: Variant, mesh, input_sets, args) -> tuple[_Prepared, jax.Array]:
+def prepare(variant: Variant, mesh, input_sets, args) -> tuple[_Prepared, jax.Array]:
   """Builds, compiles and warms up a variant; returns it and the last output of the warm-up."""
   t0 = time.perf_counter()
   timed = _Timed(variant, mesh, input_sets, args.iters, args.timing, chain_kind(args))
@@ -103,7 +103,7 @@ def bench_row(row: Row, mesh: Mesh, variants: list[str], args, log=print) -> dic
   def check(variant, y):
     if reference is None:
       return None
-    return float(_rel_err(_as_stacked(y, row, variant), reference))
+    return float(relative_error(_as_stacked(y, row, variant), reference))
 
   for name in applicable:
     if name == "xla_windowed" and not args._windowed_child:
@@ -117,7 +117,7 @@ def bench_row(row: Row, mesh: Mesh, variants: list[str], args, log=print) -> dic
       sweep, best = {}, None
       for variant in candidates:
         try:
-          prep, y = _prepare(variant, mesh, input_sets, args)
+          prep, y = prepare(variant, mesh, input_sets, args)
           err = check(variant, y)
           del y
           if err is not None and not err <= PALLAS_MAX_REL_ERR:
@@ -127,7 +127,7 @@ def bench_row(row: Row, mesh: Mesh, variants: list[str], args, log=print) -> dic
           if best is None or ms < best[1]:
             best = (prep, ms, variant.note, err)
         except Exception as e:  # noqa: BLE001 - record every config's failure and go on
-          sweep[variant.note] = {"error": _error_text(e)}
+          sweep[variant.note] = {"error": error_text(e)}
       extra["pallas_sweep"] = sweep
       if best is None:
         errors[name] = "every TuningConfig failed (see pallas_sweep)"
@@ -136,9 +136,9 @@ def bench_row(row: Row, mesh: Mesh, variants: list[str], args, log=print) -> dic
       continue
     try:
       variant = make_variant(name, row)
-      prep, y = _prepare(variant, mesh, input_sets, args)
+      prep, y = prepare(variant, mesh, input_sets, args)
     except Exception as e:  # noqa: BLE001 - a variant that fails is recorded, never substituted
-      errors[name] = _error_text(e)
+      errors[name] = error_text(e)
       continue
     if variant.reference is not None:  # --op gemm: against the product in float32
       rel_err[name] = _reference_error(variant, prep.timed, y, input_sets, references)
@@ -155,7 +155,7 @@ def bench_row(row: Row, mesh: Mesh, variants: list[str], args, log=print) -> dic
         extra["windowed_loop_in_hlo"] = "windowed_dot_general" in prep.timed.hlo_text()
       except Exception as e:  # noqa: BLE001
         extra["windowed_loop_in_hlo"] = None
-        errors["windowed_hlo"] = _error_text(e)
+        errors["windowed_hlo"] = error_text(e)
     if name in ("xla_fp8_fast", "xla_fp8_promoted"):
       _check_fp8_gemm(name, prep.timed, extra, errors, warnings)
   del reference, references
@@ -170,7 +170,7 @@ def bench_row(row: Row, mesh: Mesh, variants: list[str], args, log=print) -> dic
       try:
         samples[name].append(prepared[name].timed.time_ms())
       except Exception as e:  # noqa: BLE001
-        errors[name] = "failed while timing: " + _error_text(e)
+        errors[name] = "failed while timing: " + error_text(e)
         del prepared[name]
         samples.pop(name)
 
@@ -195,7 +195,7 @@ def _check_fp8_gemm(name: str, timed: _Timed, extra: dict, errors: dict, warning
   try:
     targets, triton = _gemm_calls(timed)
   except Exception as e:  # noqa: BLE001
-    errors[f"{name}_hlo"] = _error_text(e)
+    errors[f"{name}_hlo"] = error_text(e)
     return
   extra[f"{name}_custom_calls"] = targets
   extra[f"{name}_triton_gemm"] = triton

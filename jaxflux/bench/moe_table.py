@@ -43,9 +43,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxflux.bench.config import (FLOOR_BANDWIDTH, MOE_AUX_WEIGHT, MOE_MAX_REL_DIFF,
                                   MOE_PARAM_DTYPE, MOE_TABLE_M, MOE_VARIANTS)
-from jaxflux.bench.grouped_table import _time_interleaved
-from jaxflux.bench.inputs import _generator
-from jaxflux.bench.measure import _error_text, _prepare, _rel_err
+from jaxflux.bench.grouped_table import time_interleaved
+from jaxflux.bench.inputs import random_input
+from jaxflux.bench.measure import error_text, prepare, relative_error
 from jaxflux.bench.summary import ratio
 from jaxflux.bench.table import error_lines, fmt
 from jaxflux.bench.timing import chain_kind
@@ -201,7 +201,7 @@ def make_inputs(row: MoERow, mesh: Mesh, n_sets: int, seed: int) -> list[dict[st
   sets = []
   for s in range(n_sets):
     key = jax.random.fold_in(base, s)
-    arrays = {name: _generator(row.shapes[name], row.dtype, sharding)(jax.random.fold_in(key, i))
+    arrays = {name: random_input(row.shapes[name], row.dtype, sharding)(jax.random.fold_in(key, i))
               for i, name in enumerate(("x", "ct"))}
     params = init(jax.random.fold_in(key, 2))
     arrays.update({name: params[name] for name in row.weight_names})
@@ -233,7 +233,7 @@ def compare(fused, ragged) -> dict[str, Any]:
   differences and each gradient's relative Frobenius difference."""
   (lf, gf), (lr, gr) = fused, ragged
   lf, lr = (np.asarray(a, np.float64) for a in (lf, lr))
-  grads = {name: float(_rel_err(gf[name], gr[name])) for name in gr}
+  grads = {name: float(relative_error(gf[name], gr[name])) for name in gr}
   finite = [v for v in grads.values() if math.isfinite(v)]
   return {"loss_rel_diff": _rel_diff(float(lf[0]), float(lr[0])),
           "output_loss_rel_diff": _rel_diff(float(lf[1]), float(lr[1])),
@@ -261,9 +261,9 @@ def bench_row(row: MoERow, mesh: Mesh, variants: list[str], args, log=print) -> 
   losses: dict[str, dict[str, float]] = {}
   for name in (v for v in MOE_VARIANTS if v in variants):
     try:
-      prep, y = _prepare(make_variant(name, row), mesh, input_sets, args)
+      prep, y = prepare(make_variant(name, row), mesh, input_sets, args)
     except Exception as e:  # noqa: BLE001 - a variant that cannot run is recorded, never replaced
-      errors[name] = _error_text(e)
+      errors[name] = error_text(e)
       continue
     prepared[name] = prep
     losses[name] = dict(zip(LOSS_TERMS, (float(v) for v in np.asarray(y[0], np.float64))))
@@ -277,15 +277,15 @@ def bench_row(row: MoERow, mesh: Mesh, variants: list[str], args, log=print) -> 
         raise RuntimeError(f"the warm-up outputs come from input sets {set_f} and {set_r}")
       checks = compare(y_f, y_r)
     except Exception as e:  # noqa: BLE001 - the check's failure does not stop the timing
-      errors["comparison"] = _error_text(e)
+      errors["comparison"] = error_text(e)
     del y_f, y_r
   outputs.clear()
   try:
     rows_per_expert = expert_rows(row, input_sets[0])
   except Exception as e:  # noqa: BLE001
     rows_per_expert = None
-    errors["expert_rows"] = _error_text(e)
-  samples = _time_interleaved(prepared, args.repeats, errors)
+    errors["expert_rows"] = error_text(e)
+  samples = time_interleaved(prepared, args.repeats, errors)
   record = summarize_row(row, samples, errors, losses, checks,
                          {n: p.timed.calls for n, p in prepared.items()},
                          {n: round(p.compile_s, 3) for n, p in prepared.items()}, n_sets,

@@ -26,11 +26,14 @@ both scales in its epilogue.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxflux import tuning
 from jaxflux.ops import _common, _grouped_fp8, _grouped_kernel, _plan, _platform
 
 _OP = "grouped_matmul"
@@ -82,7 +85,7 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", preferred_element_t
   if impl != "xla":
     reason = _kernel_reason(x, w, out_dtype, transpose_w)
     if reason is None:
-      return _grouped_kernel.grouped_matmul(x, w, group_sizes, transpose_w)
+      return _grouped_kernel.grouped_matmul(x, w, group_sizes, transpose_w, _forced_tile())
     if impl == "fused":
       raise _common.FusedKernelUnavailableError(f"{_OP}(impl='fused'): {reason}")
   return lax.ragged_dot_general(x, w, group_sizes, _dimension_numbers(transpose_w),
@@ -99,12 +102,20 @@ def _fp8_call(x, w, group_sizes, x_scale, w_scale, *, impl, transpose_w, preferr
     reason = (_grouped_fp8.kernel_reason(x, w, out_dtype, transpose_w)
               or _platform.platform_reason())
     if reason is None:
-      return _grouped_fp8.forward_only(_grouped_fp8.kernel, x, w, group_sizes, rows, cols)
+      kernel = functools.partial(_grouped_fp8.kernel, tile=_forced_tile())
+      return _grouped_fp8.forward_only(kernel, x, w, group_sizes, rows, cols)
     if impl == "fused":
       raise _common.FusedKernelUnavailableError(f"{_OP}(impl='fused'): {reason}")
   forward = lambda *a: _grouped_fp8.reference(  # noqa: E731
       *a, out_dtype, transpose_w, _dimension_numbers(transpose_w), precision)
   return _grouped_fp8.forward_only(forward, x, w, group_sizes, rows, cols)
+
+
+def _forced_tile() -> str | None:
+  """The tile an override block forces on this call (None: tuned per GEMM). Read here, where
+  the op is called, and passed to the kernel's custom_vjp as an argument: JAX caches the traces
+  of a custom_vjp by its arguments, so a tile chosen inside it could outlive the block."""
+  return tuning.overrides(_OP).get("tile")
 
 
 def _kernel_reason(x, w, out_dtype, transpose_w: bool) -> str | None:

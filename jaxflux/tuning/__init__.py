@@ -7,7 +7,7 @@ attributes. A choice is built in layers, each replacing fields of the one before
   2. the device tables of the GPU it runs on (tables.py): the GEMM's tile, schedule and swizzle
      measured on that device kind, by exact shape or by shape class; a user table written by
      `python -m jaxflux.tune` before the one jaxflux ships for the kind;
-  3. an `override` block, for measurement:
+  3. an `override` block, for measurement (also of grouped_matmul's tile, "grouped_matmul"):
 
   with jaxflux.tuning.override("matmul_reduce_scatter", reduce="pass", grid_sms=100):
     f = jax.jit(...)   # jit caches traces: build and trace the function inside the block
@@ -28,11 +28,11 @@ from jaxflux.tuning import tables
 from jaxflux.tuning.classes import (all_gather_matmul_class, matmul_all_reduce_class,
                                     matmul_reduce_scatter_class, shape_classes)
 from jaxflux.tuning.device import Device
-from jaxflux.tuning.fields import (AG_TILES, AR_TILES, DTYPES, FIELDS, OPS, OWN_ROWS_SCHEDULES,
-                                   SWIZZLES, TILE_ROWS, AllGatherMatmulChoice,
-                                   MatmulAllReduceChoice, MatmulReduceScatterChoice, check_fields,
-                                   check_op)
-from jaxflux.tuning.grouped import GROUPED_TILES, choose_grouped_matmul
+from jaxflux.tuning.fields import (AG_TILES, AR_TILES, DTYPES, FIELDS, GROUPED_TILES, OPS,
+                                   OVERRIDE_OPS, OWN_ROWS_SCHEDULES, SWIZZLES, TILE_ROWS,
+                                   AllGatherMatmulChoice, MatmulAllReduceChoice,
+                                   MatmulReduceScatterChoice, check_fields, check_op)
+from jaxflux.tuning.grouped import choose_grouped_matmul
 from jaxflux.tuning.table import AUTO_RULES, ENTRIES, AutoRule, Entry
 from jaxflux.tuning.tables import reload
 
@@ -40,7 +40,7 @@ ARCH = "sm90"  # the fused kernels' one target (Hopper)
 LOCAL = "local"  # `device=` of the choosers: this process's first GPU (no GPU: the defaults)
 
 __all__ = ["AG_TILES", "AR_TILES", "AUTO_RULES", "DTYPES", "ENTRIES", "FIELDS", "GROUPED_TILES",
-           "LOCAL", "OPS", "OWN_ROWS_SCHEDULES", "SWIZZLES", "TILE_ROWS",
+           "LOCAL", "OPS", "OVERRIDE_OPS", "OWN_ROWS_SCHEDULES", "SWIZZLES", "TILE_ROWS",
            "AllGatherMatmulChoice", "AutoRule", "Device", "Entry", "MatmulAllReduceChoice",
            "MatmulReduceScatterChoice", "Tuned", "active_tables", "all_gather_matmul_class",
            "auto_prefers_fused", "candidates", "check_fields", "choose_all_gather_matmul",
@@ -75,8 +75,10 @@ def _stack() -> list:
 
 @contextlib.contextmanager
 def override(op: str, **fields):
-  """Replaces fields of `op`'s choice in calls traced inside the block (checked at once)."""
-  check_op(op)
+  """Replaces fields of `op`'s choice in calls traced inside the block (checked at once). `op`:
+  one of OVERRIDE_OPS; "grouped_matmul" sets the tile of every grouped GEMM a
+  `jaxflux.grouped_matmul` call traced in the block runs (its forward and backward)."""
+  check_op(op, OVERRIDE_OPS)
   check_fields(op, fields)
   stack = _stack()
   stack.append((op, dict(fields)))

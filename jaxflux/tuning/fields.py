@@ -17,6 +17,10 @@ OWN_ROWS_SCHEDULES = ("cooperative", "pingpong")
 # stream-K. FP8 runs the first and the last.
 AR_TILES = ("cooperative_128x256_cluster2x1", "cooperative_128x128_streamk", "swap_ab_streamk")
 TILE_ROWS = 128  # both all-gather tiles and both own-rows schedules are 128 rows high
+# The grouped GEMM's tiles (GroupedGemmTiles, xla_ffi/kernels/grouped_gemm_sm90.h).
+GROUPED_TILES = ("cooperative_128x256", "pingpong_128x128")
+# What `override` takes: the fused ops, and the grouped GEMM (grouped_matmul and the MoE ops).
+OVERRIDE_OPS = OPS + ("grouped_matmul",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +84,15 @@ FIELDS = {
         "swizzle": _SWIZZLE,
         "grid_sms": _GRID,
     },
+    "grouped_matmul": {
+        "tile": (lambda v: v in GROUPED_TILES, " or ".join(map(repr, GROUPED_TILES))),
+    },
 }
 
 
-def check_op(op: str) -> None:
-  if op not in OPS:
-    raise ValueError(f"jaxflux.tuning: op={op!r} is not one of {OPS}.")
+def check_op(op: str, ops: tuple = OPS) -> None:
+  if op not in ops:
+    raise ValueError(f"jaxflux.tuning: op={op!r} is not one of {ops}.")
 
 
 def check_fields(op: str, fields: dict) -> None:

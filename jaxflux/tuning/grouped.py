@@ -9,8 +9,8 @@ group, N) so that a measured class can take another tile.
 """
 from __future__ import annotations
 
-# In GroupedGemmTiles order.
-GROUPED_TILES = ("cooperative_128x256", "pingpong_128x128")
+from jaxflux.tuning.fields import GROUPED_TILES
+
 EVIDENCE = "h200_grouped_gemm.json"
 
 
