@@ -167,15 +167,14 @@ def call(x, w, *, kernel: str, choice, transpose_w: bool, out_dtype, c=None, sca
   tuning choice of `kernel`'s op, see `choose`). scales: FP8's x row and w column scales;
   fast_accum: FP8's accumulation."""
   n = w.shape[0] if transpose_w else w.shape[1]
-  k = x.shape[-1]
   attrs = attributes(kernel, choice)
   attrs.update(transpose_w=int(transpose_w), fast_accum=int(fast_accum))
   _runtime.register_targets()
   source = c if c is not None else jnp.zeros((8,), out_dtype)  # not read by kernels 0 and 1
   # The CUTLASS workspace is a second result (sized here, unused after): the handler allocates
   # nothing, so XLA can capture the call into a command buffer.
-  rows = math.prod(x.shape[:-1]) if k else 0
-  workspace = _runtime.gemm_workspace_bytes(x.dtype, rows, n, k, attrs)
+  workspace = _runtime.gemm_workspace_bytes(x.dtype, math.prod(x.shape[:-1]), n, x.shape[-1],
+                                            attrs)
   ffi_call = jax.ffi.ffi_call(
       "jaxflux_gemm", (jax.ShapeDtypeStruct(tuple(x.shape[:-1]) + (n,), out_dtype),
                        jax.ShapeDtypeStruct((workspace,), jnp.uint8)))

@@ -171,8 +171,8 @@ ENTRIES = (
 # GEMM+AllReduce has no rule, so impl="auto" takes XLA's psum for it: no two-GPU timing of the
 # fused op against XLA exists yet to say where it wins. No op has a rule at tp=1 either: there
 # the op is its GEMM alone, and the GEMM-only tables put it behind cuBLAS on average (decode
-# GEMM at M <= 128: 1.10x on H200, h200_gemm_decode.json; 1.089x on H100, h100_gemm_decode.json,
-# 1.02-1.37x at one row; persistent GEMM 1.075x above, h200_gemm_all_reduce.json). In the
+# GEMM at M <= 128: 1.10x on H200, h200_gemm_decode.json; 1.079x on H100, h100_gemm_decode.json,
+# 1.04-1.25x at one row; persistent GEMM 1.075x above, h200_gemm_all_reduce.json). In the
 # generation example at batch 1 on H100 the fused layers decode level with Flax's (6.25 against
 # 6.31 ms/token, h100_generate_llama70b_8l_batch1.json): not ahead, so no rule.
 AUTO_RULES = (
