@@ -37,6 +37,12 @@ def cuda_built() -> bool:
   return bool(_ext is not None and getattr(_ext, "cuda_built", False))
 
 
+def max_ranks() -> int | None:
+  """The largest group the fused cross-process ops take (the native runtime's cap: one NVLink
+  domain); None without the extension, which has no fused kernels at all."""
+  return None if _ext is None else int(_ext.max_ranks)
+
+
 @functools.cache
 def _gpu_devices() -> tuple:
   try:

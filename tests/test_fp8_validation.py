@@ -253,6 +253,15 @@ def test_fused_fp8_group_size_limit():
                                             True) is None
 
 
+def test_group_size_cap_is_the_native_runtimes(monkeypatch):
+  # Python refuses what the C++ handlers would: the cap is read from the module, not copied.
+  class Module:
+    max_ranks = 4
+  monkeypatch.setattr(_runtime, "_ext", Module)
+  assert "up to 4 GPUs" in _platform.group_reason(5)
+  assert _platform.group_reason(4) is None
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_auto_takes_xla_for_fp8_even_where_kernels_run(fake_gpu, op):
   mesh = make_mesh((2,), ("tp",))

@@ -23,8 +23,8 @@
 #include "xla_ffi/ffi/host_executions.h"
 #include "xla_ffi/ffi/moe_gemm.h"
 #include "xla_ffi/ffi/rank_state_type.h"
-#include "xla_ffi/runtime/runtime.h"
 #endif
+#include "xla_ffi/runtime/runtime.h"  // plain C++: its limits are the FFI contract in both builds
 
 namespace nb = nanobind;
 
@@ -70,6 +70,8 @@ NB_MODULE(_jaxflux, m) {
 #else
   m.attr("cuda_built") = false;
 #endif
+  // The group-size cap every cross-process handler checks; Python refuses larger groups with it.
+  m.attr("max_ranks") = jaxflux::kMaxRanks;
 
   m.def("registrations", []() {
     nb::dict registrations;

@@ -97,7 +97,5 @@ def reason(x, w, tp: int, axis_name: str) -> str | None:
   n_or_k = (w.shape[1], w.shape[2])
   return (_grouped_kernel.supported(x, w, x.dtype, *n_or_k)
           or _platform.platform_reason(axis_name)
-          or (None if tp <= _platform.MAX_FUSED_TP else
-              f"tp={tp}: the fused ops run within one NVLink domain of at most "
-              f"{_platform.MAX_FUSED_TP} GPUs"))
+          or _platform.group_reason(tp))
 

@@ -124,14 +124,11 @@ def axis_hosts_reason(mesh, axis_name: str, host_of_device) -> str | None:
   return None
 
 
-MAX_FUSED_TP = 8  # one NVLink domain: the ranks' workspaces are peer-mapped in one process
-
-
 def fused_operand_reason(x, w, out_dtype, tp: int) -> str | None:
   """Why no fused kernel takes these per-device operands at this group size writing
   `out_dtype`, or None (the kernels share the CUTLASS GEMM: 16-byte rows for TMA, output in the
   input dtype)."""
-  if (reason := _group_reason(tp)) is not None:
+  if (reason := group_reason(tp)) is not None:
     return reason
   k, n = w.shape
   if k % 8 or n % 8:
@@ -168,7 +165,7 @@ def fused_fp8_operand_reason(x, w, out_dtype, tp: int, transpose_w: bool) -> str
             f"(here [{w.shape[1]}, {w.shape[0]}]), with transpose_w=True, and let the quantizing "
             "pass write it in that layout (transposing an FP8 weight per call costs a pass over "
             "it).")
-  if (reason := _group_reason(tp)) is not None:
+  if (reason := group_reason(tp)) is not None:
     return reason
   n, k = w.shape
   if k % 16 or n % 16:

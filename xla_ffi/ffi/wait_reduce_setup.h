@@ -14,6 +14,9 @@
 
 namespace jaxflux {
 
+// The reduce kernels hold one pointer per rank of a group the runtime can form.
+static_assert(kReduceMaxRanks >= kMaxRanks, "the reduce kernels must take every rank of a group");
+
 // partial_of(r): where source rank r's partial lies in this device's arena. `dtype` is the
 // GEMMs' kind; the partials and `out` hold its output dtype (FP8 kinds: bfloat16).
 template <class PartialOf>
