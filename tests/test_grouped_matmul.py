@@ -10,6 +10,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import make_mesh
+from jaxpr_util import equations
+from jaxflux import tuning
 from jaxflux.ops import FusedKernelUnavailableError, _platform
 from jaxflux.ops.grouped_matmul import grouped_matmul
 
@@ -430,3 +432,25 @@ def test_preferred_element_type_not_floating():
 def test_transpose_w_not_bool():
   with pytest.raises(TypeError, match=r"transpose_w must be a Python bool"):
     trace(arr((8, 4)), arr((2, 4, 3)), arr((2,), jnp.int32), transpose_w=1)
+
+
+def _runs_kernel(f, *args) -> bool:
+  return any(eqn.params.get("target_name") == "jaxflux_grouped_gemm"
+             for eqn in equations(jax.make_jaxpr(f)(*args)))
+
+
+def test_auto_is_the_tuning_tables_rule(fake_hopper, monkeypatch):
+  # impl="auto" asks the same rule as the dense ops: the grouped GEMM's takes the kernel; FP8
+  # has no rule (XLA); without the rule, XLA. impl="fused" runs the kernel either way.
+  x, w = random_operands(64, 32, 16, 3, jnp.bfloat16, seed=1)
+  gs = jnp.asarray([20, 0, 30], jnp.int32)
+  bf16 = lambda impl: lambda x, w: grouped_matmul(x, w, gs, impl=impl)  # noqa: E731
+  assert _runs_kernel(bf16("auto"), x, w)
+  xq, wq, sizes, xs, ws = fp8_operands(2, 32, 32, 16, 2, True, False)
+  fp8 = lambda impl: lambda *a: grouped_matmul(  # noqa: E731
+      *a[:3], x_scale=a[3], w_scale=a[4], transpose_w=True, impl=impl)
+  assert not _runs_kernel(fp8("auto"), xq, wq, sizes, xs, ws)
+  assert _runs_kernel(fp8("fused"), xq, wq, sizes, xs, ws)
+  monkeypatch.setattr(tuning, "AUTO_RULES", ())
+  assert not _runs_kernel(bf16("auto"), x, w)
+  assert _runs_kernel(bf16("fused"), x, w)

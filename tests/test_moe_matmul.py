@@ -16,6 +16,7 @@ import jaxflux
 from conftest import make_mesh
 from jaxflux import (MoeRouting, all_gather_grouped_matmul, grouped_matmul_reduce_scatter,
                      moe_routing)
+from jaxflux import tuning
 from jaxflux.ops import _moe_fused, _platform
 from jaxpr_util import equations
 
@@ -277,6 +278,20 @@ def test_fused_forward_and_grad_trace(fake_hopper, tp):
     assert forward == ops
     # the weight gradients, and the combine weights' copy-engine all-gather (no XLA collective)
     assert backward == ops | {"jaxflux_grouped_gemm", "jaxflux_all_gather"}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_auto_is_the_tuning_tables_rule(fake_hopper, monkeypatch, tp):
+  # impl="auto" asks the rule every op family shares: the MoE ops' takes the kernels at any tp;
+  # without it, the reference (no jaxflux call at all).
+  mesh = make_mesh((tp,), ("tp",))
+  args = [jnp.asarray(a, jnp.bfloat16) if a.dtype == np.float32 else a
+          for a in operands(510, tp, 4, 2, 16, 16 * tp, 16, False)]
+  f = moe_mlp_fn(mesh, False, impl="auto")
+  assert ffi_targets(jax.make_jaxpr(f)(*args)) == ffi_targets(
+      jax.make_jaxpr(moe_mlp_fn(mesh, False, impl="fused"))(*args))
+  monkeypatch.setattr(tuning, "AUTO_RULES", ())
+  assert ffi_targets(jax.make_jaxpr(moe_mlp_fn(mesh, False, impl="auto"))(*args)) == set()
 
 
 # --- errors -----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import jaxflux
 from conftest import make_mesh
 
-MAX_RETURNS = 3
+MAX_RETURNS = 2
 
 
 def follow(fn, args, x_shape, x_dtype) -> list[tuple[str, str]]:
@@ -61,7 +61,7 @@ CASES = {  # name: (x dtype, w dtype, kwargs)
 @pytest.mark.parametrize("impl", ["fused", "xla"])
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("case", list(CASES))
-def test_x_returns_to_a_module_it_left_at_most_three_times(fake_hopper, case, tp, impl):
+def test_x_returns_to_a_module_it_left_at_most_twice(fake_hopper, case, tp, impl):
   x_dtype, w_dtype, kwargs = CASES[case]
   mesh = make_mesh((tp,), ("tp",))
   x = jnp.ones((3, 48 * tp, 80), x_dtype)  # per device [3, 48, 80]

@@ -1,61 +1,71 @@
-"""Which implementation a call runs: impl="auto" | "fused" | "xla" -> "fused" or "xla",
-resolved once per call at trace time. "fused" raises where no fused kernel can run (never a
-silent fallback); "auto" takes the fused kernel only where it can run and an AUTO_RULES rule of
-the tuning table says it was measured ahead of XLA. FP8 calls have no auto rule (no two-GPU
-timing of the FP8 kernels exists): "auto" takes XLA, "fused" the FP8 kernel or an error.
+"""Which implementation a call runs: impl="auto" | "fused" | "xla" -> "fused" or "xla", resolved
+once per call at trace time, by one rule for every op family (dense, FP8, grouped, MoE):
 
-At tp=1 nothing is communicated: the fused call is the op's GEMM alone, so only the platform
-(not the mesh's other axes or processes) and the operands decide."""
+  "xla"    XLA.
+  "fused"  the kernel, or an error saying why it can't run here (never a silent fallback).
+  "auto"   the kernel where it can run and a rule of the tuning table (AUTO_RULES,
+           jaxflux/tuning/table.py) says it was measured ahead of XLA for this op, group size
+           and rows; XLA elsewhere. FP8 calls have no rule yet (no timing of the FP8 kernels
+           against XLA's FP8 dot backs one): XLA.
+
+Each op family says why its kernel can't run (a `reason`); `decide` applies the rule. At tp=1
+nothing is communicated: the fused call is the op's GEMM alone, so only the platform (not the
+mesh's other axes or processes) and the operands decide."""
 from __future__ import annotations
+
+import functools
+from typing import Callable
 
 from jaxflux import tuning
 from jaxflux.ops import _common, _platform
 
+# What an impl='fused' error suggests.
+FALL_BACK = "Use impl='auto' to fall back to XLA where the fused kernel cannot run."
+FP8_FALL_BACK = ("Use impl='xla' (or 'auto', which takes XLA for FP8) to run XLA's FP8 dot "
+                 "instead.")
+
+
+def decide(op: str, impl: str, reason: Callable[[], str | None], *, tp: int, rows: int, k: int,
+           fp8: bool = False, fix: str | None = None) -> str:
+  """"fused" or "xla" for a call of `op` (checked impl) at group size tp on a GEMM of `rows`
+  rows and contraction K_local `k`. reason() says why the kernel can't run here (None: it can);
+  it is asked only where the answer matters (impl="fused", or a rule that takes the kernel).
+  impl="fused" with a reason raises FusedKernelUnavailableError ending with `fix`."""
+  if impl == "xla":
+    return "xla"
+  if impl == "auto" and (fp8 or not tuning.auto_prefers_fused(op, tp, rows, k)):
+    return "xla"
+  why = reason()
+  if why is None:
+    return "fused"
+  if impl == "auto":
+    return "xla"
+  what = f"{op}(impl='fused') with FP8 operands" if fp8 else f"{op}(impl='fused')"
+  fix = (FP8_FALL_BACK if fp8 else FALL_BACK) if fix is None else fix
+  raise _common.FusedKernelUnavailableError(f"{what}: {why} {fix}".rstrip())
+
 
 def resolve(op: str, impl: str, x, w, *, out_dtype, tp: int, axis_name: str,
             transpose_w: bool, fp8: bool) -> str:
-  """"fused" or "xla" for `op` on checked per-device x, w inside shard_map over `axis_name`
-  (size tp), writing `out_dtype`. With transpose_w, w is given as [N, K]."""
+  """"fused" or "xla" for the dense `op` on checked per-device x, w inside shard_map over
+  `axis_name` (size tp), writing `out_dtype`. With transpose_w, w is given as [N, K]."""
   if impl == "xla":
     return "xla"
+  k = x.shape[-1]
+  rows = x.size // k  # batch * rows of x
+  if op == "all_gather_matmul":
+    rows *= tp  # the gathered rows the GEMM computes
+  group_axis = axis_name if tp > 1 else None
   if fp8:
-    return _resolve_fp8(op, impl, x, w, out_dtype, tp, axis_name, transpose_w)
+    return decide(op, impl, functools.partial(_platform.fused_fp8_reason, x, w, out_dtype, tp,
+                                              group_axis, transpose_w),
+                  tp=tp, rows=rows, k=k, fp8=True)
   w = _common.weight_for_checks(w, transpose_w)
   dtype_error = _platform.fused_dtype_error(op, x, w)
   if dtype_error is not None:
     if impl == "fused":
       raise TypeError(dtype_error)
     return "xla"
-  reason = (_platform.platform_reason(axis_name if tp > 1 else None)
-            or _platform.fused_operand_reason(x, w, out_dtype, tp))
-  if reason is not None:
-    if impl == "fused":
-      raise _common.FusedKernelUnavailableError(
-          f"{op}(impl='fused'): {reason} Use impl='auto' to fall back to XLA where the fused "
-          "kernel cannot run.")
-    return "xla"
-  return "fused" if impl == "fused" or _auto_prefers_fused(op, x, tp) else "xla"
-
-
-def _auto_prefers_fused(op: str, x, tp: int) -> bool:
-  k = x.shape[-1]
-  rows = x.size // k  # batch * rows of x
-  if op == "all_gather_matmul":
-    rows *= tp  # the gathered rows the GEMM computes
-  return tuning.auto_prefers_fused(op, tp, rows, k)
-
-
-def _resolve_fp8(op: str, impl: str, x, w, out_dtype, tp: int, axis_name: str,
-                 transpose_w: bool) -> str:
-  """FP8 operands (checked and paired by the plan): "auto" -> XLA; "fused" -> the FP8 kernel
-  where every condition holds, else FusedKernelUnavailableError naming the first that fails."""
-  if impl == "auto":
-    return "xla"
-  reason = (_platform.fused_fp8_dtype_reason(x, w)
-            or _platform.platform_reason(axis_name if tp > 1 else None)
-            or _platform.fused_fp8_operand_reason(x, w, out_dtype, tp, transpose_w))
-  if reason is not None:
-    raise _common.FusedKernelUnavailableError(
-        f"{op}(impl='fused') with FP8 operands: {reason} Use impl='xla' (or 'auto', which takes "
-        "XLA for FP8) to run XLA's FP8 dot instead.")
-  return "fused"
+  return decide(op, impl, functools.partial(_platform.fused_reason, x, w, out_dtype, tp,
+                                            group_axis),
+                tp=tp, rows=rows, k=k)

@@ -124,6 +124,19 @@ def axis_hosts_reason(mesh, axis_name: str, host_of_device) -> str | None:
   return None
 
 
+def fused_reason(x, w, out_dtype, tp: int, group_axis: str | None) -> str | None:
+  """Why no fused kernel runs these per-device operands (dtypes checked) here, or None.
+  group_axis: the mesh axis a communicating call runs over (None at tp=1)."""
+  return platform_reason(group_axis) or fused_operand_reason(x, w, out_dtype, tp)
+
+
+def fused_fp8_reason(x, w, out_dtype, tp: int, group_axis: str | None,
+                     transpose_w: bool) -> str | None:
+  """Why no fused FP8 kernel runs these per-device operands here, or None."""
+  return (fused_fp8_dtype_reason(x, w) or platform_reason(group_axis)
+          or fused_fp8_operand_reason(x, w, out_dtype, tp, transpose_w))
+
+
 def fused_operand_reason(x, w, out_dtype, tp: int) -> str | None:
   """Why no fused kernel takes these per-device operands at this group size writing
   `out_dtype`, or None (the kernels share the CUTLASS GEMM: 16-byte rows for TMA, output in the
@@ -181,10 +194,12 @@ def fused_fp8_operand_reason(x, w, out_dtype, tp: int, transpose_w: bool) -> str
   return None
 
 
-def _group_reason(tp: int) -> str | None:
-  if tp > MAX_FUSED_TP:
+def group_reason(tp: int) -> str | None:
+  """Why the fused kernels can't run a group of `tp` ranks (the native runtime's cap), or None."""
+  cap = _runtime.max_ranks()
+  if cap is not None and tp > cap:
     return (f"the tensor-parallel axis has size {tp}; the fused kernels support groups of up to "
-            f"{MAX_FUSED_TP} GPUs (one NVLink domain).")
+            f"{cap} GPUs (one NVLink domain).")
   return None
 
 

@@ -15,14 +15,16 @@ impl="fused" runs jaxflux's grouped GEMM kernel (CUTLASS's sm90 ptr-array groupe
 or fp16 with fp32 accumulation, _grouped_kernel): group_sizes stays on the device, an empty
 group costs nothing, and the backward is the same kernel (dx) and its K-grouped form (dw).
 It raises FusedKernelUnavailableError where the kernel can't run (no Hopper GPU, a build
-without CUDA, other dtypes); impl="auto" then runs the XLA path.
+without CUDA, other dtypes); impl="auto" runs the kernel where it can run, by the tuning
+table's rule for grouped_matmul (measured ahead of ragged_dot on every row), else XLA.
 
 The op communicates nothing, so in expert parallelism it runs inside `jax.shard_map` on each
 device's own experts (w, group_sizes) and the rows routed to them (x).
 
 FP8 (x and w float8 with x_scale and w_scale, _grouped_fp8): forward-only, bfloat16 out by
 default; the kernel takes e4m3 x and w with w given [G, N, K] (transpose_w=True) and applies
-both scales in its epilogue.
+both scales in its epilogue. impl="auto" takes XLA for FP8 (no timing of the FP8 kernel
+against XLA backs a rule yet).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import numpy as np
 from jax import lax
 
 from jaxflux import tuning
-from jaxflux.ops import _common, _grouped_fp8, _grouped_kernel, _plan, _platform
+from jaxflux.ops import _common, _dispatch, _grouped_fp8, _grouped_kernel, _plan, _platform
 
 _OP = "grouped_matmul"
 
@@ -53,7 +55,8 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", preferred_element_t
     group_sizes: [G] integer row counts (any integer dtype; cast to int32), each >= 0, summing
       to at most M: checked where the counts are known at trace time (ValueError); traced
       counts are, as in ragged_dot, the caller's responsibility.
-    impl: "auto" (the kernel where it runs, else XLA), "fused" (the grouped GEMM kernel, or
+    impl: "auto" (the kernel where it runs and the tuning table's rule takes it, else XLA),
+      "fused" (the grouped GEMM kernel, or
       FusedKernelUnavailableError saying why it can't run) or "xla"
       (`lax.ragged_dot_general`).
     preferred_element_type: the output dtype, a floating dtype; default is the promoted dtype
@@ -70,7 +73,7 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", preferred_element_t
   y[i] = (x[i].astype(f32) * x_scale[i]) @ (w[g].astype(f32) * w_scale[g]) in float32, cast to
   preferred_element_type (default bfloat16). Forward-only: differentiating it raises a
   TypeError. The kernel takes e4m3 x and w with w given [G, N, K] (transpose_w=True), K a
-  multiple of 16 and a bfloat16 output; impl="auto" takes it there, else XLA.
+  multiple of 16 and a bfloat16 output; impl="fused" takes it there, impl="auto" takes XLA.
 
   Returns:
     y [M, N] in preferred_element_type; rows past sum(group_sizes) are zeros.
@@ -82,12 +85,10 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", preferred_element_t
                      preferred_element_type=preferred_element_type, precision=precision)
   group_sizes = _check_operands(x, w, group_sizes, transpose_w)
   out_dtype = _out_dtype(x, w, preferred_element_type)
-  if impl != "xla":
-    reason = _kernel_reason(x, w, out_dtype, transpose_w)
-    if reason is None:
-      return _grouped_kernel.grouped_matmul(x, w, group_sizes, transpose_w, _forced_tile())
-    if impl == "fused":
-      raise _common.FusedKernelUnavailableError(f"{_OP}(impl='fused'): {reason}")
+  kernel = _dispatch.decide(_OP, impl, lambda: _kernel_reason(x, w, out_dtype, transpose_w),
+                            tp=1, rows=x.shape[0], k=x.shape[1], fix="")
+  if kernel == "fused":
+    return _grouped_kernel.grouped_matmul(x, w, group_sizes, transpose_w, _forced_tile())
   return lax.ragged_dot_general(x, w, group_sizes, _dimension_numbers(transpose_w),
                                 precision=precision, preferred_element_type=out_dtype)
 
@@ -98,14 +99,13 @@ def _fp8_call(x, w, group_sizes, x_scale, w_scale, *, impl, transpose_w, preferr
   group_sizes = _check_operands(x, w, group_sizes, transpose_w)
   rows, cols = _grouped_fp8.scales(x, w, x_scale, w_scale, transpose_w)
   out_dtype = _out_dtype(x, w, preferred_element_type or _common.FP8_OUT_DTYPE)
-  if impl != "xla":
-    reason = (_grouped_fp8.kernel_reason(x, w, out_dtype, transpose_w)
-              or _platform.platform_reason())
-    if reason is None:
-      kernel = functools.partial(_grouped_fp8.kernel, tile=_forced_tile())
-      return _grouped_fp8.forward_only(kernel, x, w, group_sizes, rows, cols)
-    if impl == "fused":
-      raise _common.FusedKernelUnavailableError(f"{_OP}(impl='fused'): {reason}")
+  kernel = _dispatch.decide(
+      _OP, impl, lambda: (_grouped_fp8.kernel_reason(x, w, out_dtype, transpose_w)
+                          or _platform.platform_reason()),
+      tp=1, rows=x.shape[0], k=x.shape[1], fp8=True, fix="")
+  if kernel == "fused":
+    return _grouped_fp8.forward_only(functools.partial(_grouped_fp8.kernel, tile=_forced_tile()),
+                                     x, w, group_sizes, rows, cols)
   forward = lambda *a: _grouped_fp8.reference(  # noqa: E731
       *a, out_dtype, transpose_w, _dimension_numbers(transpose_w), precision)
   return _grouped_fp8.forward_only(forward, x, w, group_sizes, rows, cols)

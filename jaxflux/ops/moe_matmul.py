@@ -33,7 +33,9 @@ gradients are grouped GEMMs over all segments' rows in expert-major order
 impl="xla" is the reference: `lax.all_gather` / `lax.psum_scatter` around
 `grouped_matmul(impl="xla")` per segment. impl="fused" runs the fused kernels (_moe_fused;
 at tp=1 the grouped GEMM kernel alone), bf16 or fp16 with fp32 accumulation, and raises
-FusedKernelUnavailableError where they can't run; impl="auto" then runs the reference.
+FusedKernelUnavailableError where they can't run; impl="auto" runs them where they can and the
+tuning table's rule takes them (any tp: the reference multiplies with ragged_dot), else the
+reference.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxflux.ops import _common, _grouped_kernel, _moe_fused, _plan, all_gather
+from jaxflux.ops import _common, _dispatch, _grouped_kernel, _moe_fused, _plan, all_gather
 from jaxflux.ops.grouped_matmul import check_rows_and_weights, grouped_matmul
 from jaxflux.ops.moe_routing import MoeRouting
 
@@ -317,15 +319,9 @@ def _no_cotangent(routing):
 # --- checks -----------------------------------------------------------------------------------
 
 def _resolve(op: str, impl: str, x, w, tp: int, axis_name: str) -> str:
-  """"fused" or "xla", once per call: "auto" takes the fused kernels wherever they can run."""
-  if impl == "xla":
-    return "xla"
-  reason = _moe_fused.reason(x, w, tp, axis_name)
-  if reason is None:
-    return "fused"
-  if impl == "fused":
-    raise _common.FusedKernelUnavailableError(f"{op}(impl='fused'): {reason}")
-  return "xla"
+  """"fused" or "xla", once per call, by the rule every op family shares (ops/_dispatch.py)."""
+  return _dispatch.decide(op, impl, lambda: _moe_fused.reason(x, w, tp, axis_name), tp=tp,
+                          rows=x.shape[0], k=x.shape[1], fix="")
 
 
 def _check_operands(op: str, name: str, x, w, transpose_w: bool) -> None:

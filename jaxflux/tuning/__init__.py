@@ -234,11 +234,12 @@ def choose_tp1_gemm(*, dtype: str, rows: int, k: int, n: int, itemsize: int) -> 
 
 
 def auto_prefers_fused(op: str, tp: int, rows: int, k: int, arch: str = ARCH) -> bool:
-  """impl="auto": whether an AUTO_RULES rule says the fused kernel wins for `rows` rows (the
-  GEMM's: gathered rows for all_gather_matmul, x's rows for matmul_reduce_scatter) and K_local
-  `k`. No rule for (op, arch, tp): XLA."""
+  """impl="auto": whether an AUTO_RULES rule says the kernel wins for `op` (any family: dense,
+  grouped, MoE) at group size tp, for `rows` rows (the GEMM's: gathered rows for
+  all_gather_matmul, x's rows for matmul_reduce_scatter) and K_local `k`. No rule for
+  (op, arch, tp): XLA."""
   for rule in AUTO_RULES:
-    if (rule.op, rule.arch, rule.tp) == (op, arch, tp):
+    if (rule.op, rule.arch) == (op, arch) and rule.tp in (tp, "*"):
       return rows >= rule.min_rows and (rule.max_rows_times_k is None
                                         or rows * k <= rule.max_rows_times_k)
   return False
