@@ -42,7 +42,6 @@ def all_gather_matmul(x, w, axis_name: str, want_gathered: bool, *, transpose_w:
   shard_bytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
   m, k = x.shape[-2:]
   n = w.shape[0] if transpose_w else w.shape[1]
-  batch = math.prod(x.shape[:-2])
   out_types = [jax.ShapeDtypeStruct(x.shape[:-2] + (tp * m, n), x.dtype)]
   if want_gathered:
     out_types.append(jax.ShapeDtypeStruct(x.shape[:-2] + (tp * m, k), x.dtype))
@@ -73,7 +72,6 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
                   out_dtype=x.dtype)
     return _common.mark_varying(z, axes)
   m = x.shape[-2] // tp
-  k = x.shape[-1]
   n = w.shape[0] if transpose_w else w.shape[1]
   batch = math.prod(x.shape[:-2])
   itemsize = jnp.dtype(x.dtype).itemsize
@@ -177,7 +175,6 @@ def matmul_reduce_scatter_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str, 
     y = _fp8_gemm(x, w, x_scale_rows, w_scale_cols, out_dtype, config)
     return _common.mark_varying(y, axes)
   m = x.shape[-2] // tp
-  k = x.shape[-1]
   n = w.shape[0]
   batch = math.prod(x.shape[:-2])
   out_itemsize = jnp.dtype(out_dtype).itemsize  # the partials' element

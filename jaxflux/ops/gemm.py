@@ -1,9 +1,11 @@
-"""Internal op: the fused kernels' GEMMs on one GPU with communication off (benchmark feature).
+"""The GEMM-only target (jaxflux_gemm): the fused kernels' GEMMs on one GPU, no communication.
 
-`gemm(x, w, kernel=...)` computes x [..., M, K] @ w [K, N] (+ c for the own-rows kernel) with
-one of the CUTLASS sm90 kernels the fused ops run, tuned from jaxflux.tuning as the fused ops
-would tune it. Timing it against XLA's dot (cuBLAS) on the same shape says what the fused path's
-GEMM costs: if it is slower, fusion loses what it hides. Not a public API.
+Two users. `call` is the tp=1 path of every dense op (all_gather_matmul, matmul_reduce_scatter
+and matmul_all_reduce with nothing to gather or reduce run their GEMM alone through it, with
+the choice their plan made). `gemm(x, w, kernel=...)` runs any of the fused ops' GEMMs with its
+communication off, tuned as the op would tune it: timing it against XLA's dot (cuBLAS) on the
+same shape says what the fused path's GEMM costs (the benchmark's and `jaxflux.tune`'s GEMM
+rows); if it is slower, fusion loses what it hides. `gemm` is not a public API.
 
 FP8 (x float8_e4m3fn or float8_e5m2, w float8_e4m3fn given transposed, [N, K]): the output is
 bfloat16 (x @ w) * x_scale * w_scale with x_scale [..., M, 1] and w_scale [1, N] float32, the
