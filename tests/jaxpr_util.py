@@ -9,3 +9,10 @@ def equations(jaxpr):
     yield eqn
     for sub in jax.extend.core.jaxprs_in_params(eqn.params):
       yield from equations(sub)
+
+
+def ffi_calls(jaxpr) -> list:
+  """(target name, attributes as ints) of every ffi_call in a jaxpr, nested ones included."""
+  return [(eqn.params["target_name"],
+           {k: int(v) for k, v in dict(eqn.params["attributes"]).items()})
+          for eqn in equations(jaxpr) if eqn.primitive.name == "ffi_call"]

@@ -12,8 +12,8 @@ from jaxflux import _runtime, tuning
 from jaxflux.ops import _fused, _group_call
 from jaxflux.ops.gemm import gemm
 from conftest import make_mesh
-from jaxpr_util import equations
-from test_fused_tracing import _FakeGpu, _ffi_calls
+from jaxpr_util import equations, ffi_calls
+from test_fused_tracing import _FakeGpu
 
 TARGET = "jaxflux_matmul_all_reduce"
 
@@ -65,7 +65,7 @@ def test_the_call_carries_the_table_choice_and_its_workspace(workspace, tp, batc
   f = _mapped(_fused_op, tp=tp, nbatch=len(batch))
   x, w = _sds(batch + (m, k * tp)), _sds((k * tp, n))
   assert jax.eval_shape(f, x, w) == _sds(batch + (m, n))
-  [(target, attrs)] = _ffi_calls(jax.make_jaxpr(f)(x, w))
+  [(target, attrs)] = ffi_calls(jax.make_jaxpr(f)(x, w))
   assert target == TARGET
   assert {name: attrs[name] for name in want} == want
   assert attrs["tp"] == tp and attrs["transpose_w"] == 0 and attrs["grid_sms"] == 0
@@ -78,7 +78,7 @@ def test_an_override_reaches_the_call(workspace):
   x, w = _sds((16, 128)), _sds((128, 64))
   with tuning.override("matmul_all_reduce", tile="cooperative_128x256_cluster2x1",
                        push="chunked", swizzle=8, grid_sms=100):
-    [(_, attrs)] = _ffi_calls(jax.make_jaxpr(_mapped(_fused_op))(x, w))
+    [(_, attrs)] = ffi_calls(jax.make_jaxpr(_mapped(_fused_op))(x, w))
   assert {k: attrs[k] for k in ("tile", "push_chunks", "swizzle", "grid_sms")} == {
       "tile": 0, "push_chunks": 1, "swizzle": 8, "grid_sms": 100}
 
@@ -97,13 +97,13 @@ def test_the_weight_given_transposed_reaches_the_call(workspace):
   f = _mapped(body, w_spec=P(None, "tp"))
   x, wt = _sds((16, 128)), _sds((96, 128))
   assert jax.eval_shape(f, x, wt) == _sds((16, 96))
-  [(target, attrs)] = _ffi_calls(jax.make_jaxpr(f)(x, wt))
+  [(target, attrs)] = ffi_calls(jax.make_jaxpr(f)(x, wt))
   assert target == TARGET and attrs["transpose_w"] == 1
 
 
 def test_a_group_of_one_runs_the_plain_gemm(workspace):
   f = _mapped(_fused_op, tp=1)
-  [(target, attrs)] = _ffi_calls(jax.make_jaxpr(f)(_sds((16, 64)), _sds((64, 32))))
+  [(target, attrs)] = ffi_calls(jax.make_jaxpr(f)(_sds((16, 64)), _sds((64, 32))))
   assert target == "jaxflux_gemm" and attrs["kernel"] == 0
 
 
@@ -114,7 +114,7 @@ def test_forward_and_grad_trace_with_matching_types_and_no_backward_communicatio
   x, w = jnp.ones((16, 128), jnp.bfloat16), jnp.ones((128, 64), jnp.bfloat16)
   grad = jax.grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32)), argnums=(0, 1))
   jaxpr = jax.make_jaxpr(grad)(x, w)
-  assert [target for target, _ in _ffi_calls(jaxpr)] == [TARGET]
+  assert [target for target, _ in ffi_calls(jaxpr)] == [TARGET]
   assert not _collectives(jaxpr.jaxpr)
   dx, dw = jax.eval_shape(grad, x, w)
   assert (dx.shape, dw.shape, dx.dtype, dw.dtype) == ((16, 128), (128, 64), jnp.bfloat16,
@@ -133,7 +133,7 @@ def _collectives(jaxpr) -> set:
 def test_auto_takes_xla_even_where_the_kernel_could_run(workspace, m):
   f = _mapped(lambda x, w: jaxflux.matmul_all_reduce(x, w, "tp", impl="auto"))
   jaxpr = jax.make_jaxpr(f)(_sds((m, 8192)), _sds((8192, 8192)))
-  assert _ffi_calls(jaxpr) == []
+  assert ffi_calls(jaxpr) == []
   assert {name for name in _collectives(jaxpr.jaxpr) if name.startswith("psum")}
 
 
@@ -159,11 +159,11 @@ def test_fused_needs_hopper(workspace, monkeypatch):
                                                (2047, 0, 1), (2048, 0, 4), (8192, 0, 4)])
 def test_the_gemm_only_mode_is_tuned_as_the_fused_op(workspace, rows, tile, swizzle):
   """gemm(kernel="matmul_all_reduce"): CUTLASS's GEMM (kernel 0) with the fused op's tile."""
-  [(target, attrs)] = _ffi_calls(jax.make_jaxpr(
+  [(target, attrs)] = ffi_calls(jax.make_jaxpr(
       lambda x, w: gemm(x, w, kernel="matmul_all_reduce"))(_sds((rows, 64)), _sds((64, 32))))
   assert target == "jaxflux_gemm"
   assert (attrs["kernel"], attrs["tile"], attrs["swizzle"]) == (0, tile, swizzle)
   with tuning.override("matmul_all_reduce", tile="cooperative_128x128_streamk", swizzle=2):
-    [(_, forced)] = _ffi_calls(jax.make_jaxpr(
+    [(_, forced)] = ffi_calls(jax.make_jaxpr(
         lambda x, w: gemm(x, w, kernel="matmul_all_reduce"))(_sds((rows, 64)), _sds((64, 32))))
   assert (forced["tile"], forced["swizzle"]) == (1, 2)

@@ -13,7 +13,7 @@ from jaxflux.tuning import device as tuning_device
 from jaxflux.ops import _fused, _platform
 from jaxflux.ops.gemm import gemm
 from conftest import make_mesh
-from jaxpr_util import equations
+from jaxpr_util import equations, ffi_calls
 
 
 @pytest.fixture
@@ -87,13 +87,6 @@ def test_auto_takes_fused_only_where_measured_ahead(fake_gpu, tp, rows, fused):
   assert ("all_gather[" in text or "all_gather " in text) == (not fused)
 
 
-def _ffi_calls(jaxpr) -> list:
-  """(target name, attributes) of every ffi_call in a closed jaxpr, nested ones included."""
-  return [(eqn.params["target_name"],
-           {k: int(v) for k, v in dict(eqn.params["attributes"]).items()})
-          for eqn in equations(jaxpr) if eqn.primitive.name == "ffi_call"]
-
-
 def test_gemm_rejects_unknown_kernel():
   x = jax.ShapeDtypeStruct((8, 16), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((16, 8), jnp.bfloat16)
@@ -126,14 +119,14 @@ def test_gemm_kernels_are_tuned_as_the_fused_ops_tune_them(fake_gpu, monkeypatch
   x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
   c = jax.ShapeDtypeStruct((rows, n), jnp.bfloat16) if kernel == "own_rows" else None
-  [(target, attrs)] = _ffi_calls(jax.make_jaxpr(lambda x, w: gemm(x, w, kernel=kernel, c=c))(
+  [(target, attrs)] = ffi_calls(jax.make_jaxpr(lambda x, w: gemm(x, w, kernel=kernel, c=c))(
       x, w))
   assert target == "jaxflux_gemm"
   assert {name: attrs[name] for name in want} == want
   assert attrs["grid_sms"] == 0 and attrs["transpose_w"] == 0
   with tuning.override("matmul_reduce_scatter", grid_sms=100, own_rows_swizzle=8), \
        tuning.override("all_gather_matmul", grid_sms=100, swizzle=2):
-    [(_, forced)] = _ffi_calls(jax.make_jaxpr(lambda x, w: gemm(x, w, kernel=kernel, c=c))(x, w))
+    [(_, forced)] = ffi_calls(jax.make_jaxpr(lambda x, w: gemm(x, w, kernel=kernel, c=c))(x, w))
   assert forced["grid_sms"] == 100
   assert forced["swizzle"] == {"cutlass": 1, "all_gather_matmul": 2, "own_rows": 8}[kernel]
 
@@ -178,7 +171,7 @@ def test_the_grouped_tile_override_reaches_every_call_it_traces(fake_gpu, monkey
     loss = lambda x, w: jnp.sum(jaxflux.grouped_matmul(x, w, sizes, impl="fused")  # noqa: E731
                                 .astype(jnp.float32))
     with tuning.override("grouped_matmul", tile=tile):
-      calls = _ffi_calls(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w))
+      calls = ffi_calls(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w))
     assert len(calls) == 3  # forward, dx, dw
     assert all(attrs["tile"] == tuning.GROUPED_TILES.index(tile) for _, attrs in calls), calls
 
@@ -211,7 +204,7 @@ def test_reduce_scatter_reduction_modes_trace_into_the_call(fake_gpu, tp, reduce
   forced = {} if reduce is None else {"reduce": reduce}
   with tuning.override("matmul_reduce_scatter", **forced):
     f = _rs_mapped(tp, lambda x, w: _fused.matmul_reduce_scatter(x, w, "tp"))
-    [(target, attrs)] = _ffi_calls(jax.make_jaxpr(f)(x, w))
+    [(target, attrs)] = ffi_calls(jax.make_jaxpr(f)(x, w))
   assert target == "jaxflux_matmul_reduce_scatter" and attrs["reduce"] == attr
   assert attrs["push_chunks"] == 0 and attrs["debug_skip_rank"] == -1
 
@@ -247,7 +240,7 @@ def test_all_gather_choice_traces_into_the_call(fake_gpu, monkeypatch):
     x = jnp.ones((2 * m, 64), jnp.bfloat16)
     w = jnp.ones((64, 64), jnp.bfloat16)
     f = _shard_mapped(lambda x, w: _fused.all_gather_matmul(x, w, "tp", False)[0])
-    [(target, attrs)] = _ffi_calls(jax.make_jaxpr(f)(x, w))
+    [(target, attrs)] = ffi_calls(jax.make_jaxpr(f)(x, w))
     assert target == "jaxflux_all_gather_matmul"
     return attrs
   # 4 tiles: few waves, ping-pong; the class's swizzle 4 halved so that its bands of 4 x 128

@@ -18,7 +18,7 @@ from jaxflux import (MoeRouting, all_gather_grouped_matmul, grouped_matmul_reduc
                      moe_routing)
 from jaxflux import tuning
 from jaxflux.ops import _moe_fused, _platform
-from jaxpr_util import equations
+from jaxpr_util import equations, ffi_calls
 
 G = 4  # experts
 POOL = 4096  # jax.random draws of one shape, sliced: eager jax ops each compile per shape
@@ -292,6 +292,23 @@ def test_auto_is_the_tuning_tables_rule(fake_hopper, monkeypatch, tp):
       jax.make_jaxpr(moe_mlp_fn(mesh, False, impl="fused"))(*args))
   monkeypatch.setattr(tuning, "AUTO_RULES", ())
   assert ffi_targets(jax.make_jaxpr(moe_mlp_fn(mesh, False, impl="auto"))(*args)) == set()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_grouped_tile_override_reaches_every_kernel_call(fake_hopper, tp):
+  # The MoE ops read override("grouped_matmul", tile=...) where they are called and hand it to
+  # every grouped GEMM they trace, fused or not, forward and backward (dw included).
+  mesh = make_mesh((tp,), ("tp",))
+  args = [jnp.asarray(a, jnp.bfloat16) if a.dtype == np.float32 else a
+          for a in operands(520, tp, 4, 2, 16, 16 * tp, 16, False)]
+  r = jnp.ones((tp * 4, 16), jnp.float32)
+  for tile in tuning.GROUPED_TILES:  # a function of its own per block: JAX caches its traces
+    f = moe_mlp_fn(mesh, False, impl="fused")
+    loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32) * r)  # noqa: E731
+    with tuning.override("grouped_matmul", tile=tile):
+      jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+    tiles = [attrs["tile"] for _, attrs in ffi_calls(jaxpr) if "tile" in attrs]
+    assert len(tiles) >= 4 and set(tiles) == {tuning.GROUPED_TILES.index(tile)}, (tile, tiles)
 
 
 # --- errors -----------------------------------------------------------------------------------

@@ -27,13 +27,15 @@ _AG_OP = "all_gather_grouped_matmul"
 _RS_OP = "grouped_matmul_reduce_scatter"
 
 
-def _tile(rows_per_group: float, n: int) -> int:
-  tile = tuning.choose_grouped_matmul(group_rows=rows_per_group, n=n)
+def _tile(tile: str | None, rows_per_group: float, n: int) -> int:
+  """The tile attribute: `tile` (an override's), else the tuned one."""
+  if tile is None:
+    tile = tuning.choose_grouped_matmul(group_rows=rows_per_group, n=n)
   return tuning.GROUPED_TILES.index(tile)
 
 
 def all_gather_grouped(x, w, group_sizes, token_index, row_scale, axis_name: str, *,
-                       transpose_w: bool, debug_skip_rank: int = -1):
+                       transpose_w: bool, tile: str | None = None, debug_skip_rank: int = -1):
   """(y [tp*s, n], rows [tp*s, K]) from the jaxflux_all_gather_grouped_matmul target.
 
   x [m, K] this rank's tokens; w [G, K, n] ([G, n, K] with transpose_w); group_sizes [tp, G],
@@ -58,12 +60,13 @@ def all_gather_grouped(x, w, group_sizes, token_index, row_scale, axis_name: str
        row_scale.astype(jnp.float32)),
       axis_name, 2 * tp * _group_call.slot_bytes(m * k * itemsize),
       debug_skip_rank=debug_skip_rank, transpose_w=int(transpose_w),
-      tile=_tile(s / max(groups, 1), n))
+      tile=_tile(tile, s / max(groups, 1), n))
   return _common.mark_varying(y, axes), _common.mark_varying(rows, axes)
 
 
 def grouped_reduce_scatter(h, w, group_sizes, row_index, weights, axis_name: str, *,
-                           transpose_w: bool, debug_skip_rank: int = -1):
+                           transpose_w: bool, tile: str | None = None,
+                           debug_skip_rank: int = -1):
   """(z [m, N], y_rows [s, N]) from the jaxflux_grouped_matmul_reduce_scatter target.
 
   h [tp*s, k] every segment's rows (this rank's K shard); w [G, k, N] ([G, N, k] with
@@ -87,7 +90,7 @@ def grouped_reduce_scatter(h, w, group_sizes, row_index, weights, axis_name: str
        weights.astype(jnp.float32)),
       axis_name, 2 * 2 * tp * _group_call.slot_bytes(s * n * itemsize),
       debug_skip_rank=debug_skip_rank, transpose_w=int(transpose_w),
-      tile=_tile(s / max(groups, 1), n))
+      tile=_tile(tile, s / max(groups, 1), n))
   return _common.mark_varying(z, axes), _common.mark_varying(y_rows, axes)
 
 

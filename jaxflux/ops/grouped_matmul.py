@@ -88,7 +88,7 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", preferred_element_t
   kernel = _dispatch.decide(_OP, impl, lambda: _kernel_reason(x, w, out_dtype, transpose_w),
                             tp=1, rows=x.shape[0], k=x.shape[1], fix="")
   if kernel == "fused":
-    return _grouped_kernel.grouped_matmul(x, w, group_sizes, transpose_w, _forced_tile())
+    return _grouped_kernel.grouped_matmul(x, w, group_sizes, transpose_w, forced_tile())
   return lax.ragged_dot_general(x, w, group_sizes, _dimension_numbers(transpose_w),
                                 precision=precision, preferred_element_type=out_dtype)
 
@@ -104,17 +104,18 @@ def _fp8_call(x, w, group_sizes, x_scale, w_scale, *, impl, transpose_w, preferr
                           or _platform.platform_reason()),
       tp=1, rows=x.shape[0], k=x.shape[1], fp8=True, fix="")
   if kernel == "fused":
-    return _grouped_fp8.forward_only(functools.partial(_grouped_fp8.kernel, tile=_forced_tile()),
+    return _grouped_fp8.forward_only(functools.partial(_grouped_fp8.kernel, tile=forced_tile()),
                                      x, w, group_sizes, rows, cols)
   forward = lambda *a: _grouped_fp8.reference(  # noqa: E731
       *a, out_dtype, transpose_w, _dimension_numbers(transpose_w), precision)
   return _grouped_fp8.forward_only(forward, x, w, group_sizes, rows, cols)
 
 
-def _forced_tile() -> str | None:
-  """The tile an override block forces on this call (None: tuned per GEMM). Read here, where
-  the op is called, and passed to the kernel's custom_vjp as an argument: JAX caches the traces
-  of a custom_vjp by its arguments, so a tile chosen inside it could outlive the block."""
+def forced_tile() -> str | None:
+  """The grouped GEMM tile an override block forces on this call (None: tuned per GEMM), for
+  grouped_matmul and the MoE ops. Read where the op is called and passed into its custom_vjp
+  as an argument: JAX caches the traces of a custom_vjp by its arguments, so a tile chosen
+  inside it could outlive the block."""
   return tuning.overrides(_OP).get("tile")
 
 

@@ -47,7 +47,7 @@ import numpy as np
 from jax import lax
 
 from jaxflux.ops import _common, _dispatch, _grouped_kernel, _moe_fused, _plan, all_gather
-from jaxflux.ops.grouped_matmul import check_rows_and_weights, grouped_matmul
+from jaxflux.ops.grouped_matmul import check_rows_and_weights, forced_tile, grouped_matmul
 from jaxflux.ops.moe_routing import MoeRouting
 
 _AG_OP = "all_gather_grouped_matmul"
@@ -92,7 +92,7 @@ def all_gather_grouped_matmul(x, w, routing: MoeRouting, *, axis_name: str, impl
         f"{routing.row_index.shape[0]} (routing.row_index.shape={routing.row_index.shape}). "
         "Pass moe_routing of this rank's tokens' expert ids, one row per row of x.")
   kernel = _resolve(_AG_OP, impl, x, w, tp, axis_name)
-  return _all_gather_grouped_matmul(x, w, routing, kernel, axis_name, transpose_w)
+  return _all_gather_grouped_matmul(x, w, routing, kernel, axis_name, transpose_w, forced_tile())
 
 
 def grouped_matmul_reduce_scatter(h, w, routing: MoeRouting, weights, *, axis_name: str,
@@ -141,21 +141,23 @@ def grouped_matmul_reduce_scatter(h, w, routing: MoeRouting, weights, *, axis_na
     raise TypeError(f"{_RS_OP}: weights must be a floating-point array (router combine "
                     f"weights); got dtype {weights.dtype}. Pass weights.astype(jnp.float32).")
   kernel = _resolve(_RS_OP, impl, h, w, tp, axis_name)
-  return _grouped_matmul_reduce_scatter(h, w, weights, routing, kernel, axis_name, transpose_w)
+  return _grouped_matmul_reduce_scatter(h, w, weights, routing, kernel, axis_name, transpose_w,
+                                        forced_tile())
 
 
 # --- the forward of each op, per kernel ---------------------------------------------------------
 
-def _ag_forward(kernel, x, w, group_sizes, token_index, row_scale, axis_name, transpose_w):
+def _ag_forward(kernel, x, w, group_sizes, token_index, row_scale, axis_name, transpose_w, tile):
   """(y [tp*s, n], rows [tp*s, K]): rows[p*s + j] = row_scale[p, j] · x of rank p
   [token_index[p, j]] in x.dtype (a zero row for an index outside [0, m); row_scale None: 1),
-  y[segment p] = rows[segment p] · w[g] per expert group of group_sizes[p]."""
+  y[segment p] = rows[segment p] · w[g] per expert group of group_sizes[p]. tile: the grouped
+  GEMM's (None: tuned per call)."""
   tp = lax.axis_size(axis_name)
   if kernel == "fused" and tp > 1:
     if row_scale is None:
       row_scale = jnp.ones(token_index.shape, jnp.float32)
     return _moe_fused.all_gather_grouped(x, w, group_sizes, token_index, row_scale, axis_name,
-                                         transpose_w=transpose_w)
+                                         transpose_w=transpose_w, tile=tile)
   m = x.shape[0]
   s = token_index.shape[1]
   x_full = lax.all_gather(_common.mark_varying(x, {axis_name}), axis_name, tiled=True)
@@ -167,22 +169,22 @@ def _ag_forward(kernel, x, w, group_sizes, token_index, row_scale, axis_name, tr
     rows = rows.astype(acc) * row_scale.reshape(-1, 1).astype(acc)
   rows = jnp.where(valid, rows, 0).astype(x.dtype)
   y = jnp.concatenate([_segment_matmul(kernel, rows[p * s:(p + 1) * s], w, group_sizes[p],
-                                       transpose_w) for p in range(tp)])
+                                       transpose_w, tile) for p in range(tp)])
   axes = _axes(axis_name, x, w, group_sizes, token_index, row_scale)
   return _common.mark_varying(y, axes), _common.mark_varying(rows, axes)
 
 
-def _rs_forward(kernel, h, w, group_sizes, row_index, weights, axis_name, transpose_w):
+def _rs_forward(kernel, h, w, group_sizes, row_index, weights, axis_name, transpose_w, tile):
   """(z [m, N], y_rows [s, N]): y_rows = Σ over ranks of h[segment r] · w[g] per expert group,
   r this rank; z[t] = Σ_k weights[t, k] · y_rows[row_index[t, k]] in float32, in h.dtype (an
   index outside [0, s) adds nothing)."""
   tp = lax.axis_size(axis_name)
   if kernel == "fused" and tp > 1:
     return _moe_fused.grouped_reduce_scatter(h, w, group_sizes, row_index, weights, axis_name,
-                                             transpose_w=transpose_w)
+                                             transpose_w=transpose_w, tile=tile)
   s = h.shape[0] // tp
   partials = jnp.stack([_segment_matmul(kernel, h[p * s:(p + 1) * s], w, group_sizes[p],
-                                        transpose_w) for p in range(tp)])
+                                        transpose_w, tile) for p in range(tp)])
   y_rows = lax.psum_scatter(_common.mark_varying(partials, {axis_name}), axis_name,
                             scatter_dimension=0, tiled=False)
   acc = jnp.promote_types(h.dtype, _F32)
@@ -194,11 +196,11 @@ def _rs_forward(kernel, h, w, group_sizes, row_index, weights, axis_name, transp
   return _common.mark_varying(z, axes), _common.mark_varying(y_rows, axes)
 
 
-def _segment_matmul(kernel, rows, w, group_sizes, transpose_w):
+def _segment_matmul(kernel, rows, w, group_sizes, transpose_w, tile):
   """One segment's grouped GEMM in the rows' dtype: the kernel (the fused ops at tp=1), or the
   reference accumulating in float32 at least."""
   if kernel == "fused":
-    return _grouped_kernel.grouped_matmul(rows, w, group_sizes, transpose_w)
+    return _grouped_kernel.grouped_matmul(rows, w, group_sizes, transpose_w, tile)
   acc = jnp.promote_types(jnp.result_type(rows.dtype, w.dtype), _F32)
   return grouped_matmul(rows, w, group_sizes, impl="xla", transpose_w=transpose_w,
                         preferred_element_type=acc).astype(rows.dtype)
@@ -223,29 +225,29 @@ def _axes(axis_name, *operands) -> frozenset:
 
 # --- the custom_vjps --------------------------------------------------------------------------
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _all_gather_grouped_matmul(x, w, routing, kernel, axis_name, transpose_w):
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _all_gather_grouped_matmul(x, w, routing, kernel, axis_name, transpose_w, tile):
   return _ag_forward(kernel, x, w, routing.group_sizes, routing.token_index, None, axis_name,
-                     transpose_w)[0]
+                     transpose_w, tile)[0]
 
 
-def _ag_fwd(x, w, routing, kernel, axis_name, transpose_w):
+def _ag_fwd(x, w, routing, kernel, axis_name, transpose_w, tile):
   _plan.refuse_forward_mode(_AG_OP, x, w)  # forward-over-reverse (jax.hessian) lands here
   y, rows = _ag_forward(kernel, x, w, routing.group_sizes, routing.token_index, None, axis_name,
-                        transpose_w)
+                        transpose_w, tile)
   # x itself is kept only for its type (varying mesh axes); rows carry the values.
   return y, (x, w, routing, rows)
 
 
-def _ag_bwd(kernel, axis_name, transpose_w, residuals, dy):
+def _ag_bwd(kernel, axis_name, transpose_w, tile, residuals, dy):
   x, w, routing, rows = residuals
   dy = dy.astype(x.dtype)
   # dx: dy · w[g]ᵀ per segment, reduce-scattered, each token's top-k rows summed: the
   # partner's forward with unit weights and w read in the other layout.
   ones = jnp.ones(routing.row_index.shape, jnp.float32)
   dx, _ = _rs_forward(kernel, dy, w, routing.group_sizes, routing.row_index, ones, axis_name,
-                      not transpose_w)
-  dw = _weight_grad(kernel, rows, dy, w, routing, transpose_w)
+                      not transpose_w, tile)
+  dw = _weight_grad(kernel, rows, dy, w, routing, transpose_w, tile)
   return (_common.match_vma(dx.astype(x.dtype), x), _common.match_vma(dw, w),
           _no_cotangent(routing))
 
@@ -253,20 +255,20 @@ def _ag_bwd(kernel, axis_name, transpose_w, residuals, dy):
 _all_gather_grouped_matmul.defvjp(_ag_fwd, _ag_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _grouped_matmul_reduce_scatter(h, w, weights, routing, kernel, axis_name, transpose_w):
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _grouped_matmul_reduce_scatter(h, w, weights, routing, kernel, axis_name, transpose_w, tile):
   return _rs_forward(kernel, h, w, routing.group_sizes, routing.row_index, weights, axis_name,
-                     transpose_w)[0]
+                     transpose_w, tile)[0]
 
 
-def _rs_fwd(h, w, weights, routing, kernel, axis_name, transpose_w):
+def _rs_fwd(h, w, weights, routing, kernel, axis_name, transpose_w, tile):
   _plan.refuse_forward_mode(_RS_OP, h, w, weights)
   z, y_rows = _rs_forward(kernel, h, w, routing.group_sizes, routing.row_index, weights,
-                          axis_name, transpose_w)
+                          axis_name, transpose_w, tile)
   return z, (h, w, weights, routing, y_rows)
 
 
-def _rs_bwd(kernel, axis_name, transpose_w, residuals, dz):
+def _rs_bwd(kernel, axis_name, transpose_w, tile, residuals, dz):
   h, w, weights, routing, y_rows = residuals
   # dweights[t, k] = dz[t] · y_rows[row_index[t, k]], in float32.
   picked, valid = _pick_rows(y_rows, routing.row_index)
@@ -279,8 +281,8 @@ def _rs_bwd(kernel, axis_name, transpose_w, residuals, dz):
   weights_all = _gather_weights(kernel, weights, axis_name).reshape(tp, -1)
   row_scale = jnp.take_along_axis(weights_all, routing.pair_index, axis=1)
   dh, d_rows = _ag_forward(kernel, dz.astype(h.dtype), w, routing.group_sizes,
-                           routing.token_index, row_scale, axis_name, not transpose_w)
-  dw = _weight_grad(kernel, h, d_rows, w, routing, transpose_w)
+                           routing.token_index, row_scale, axis_name, not transpose_w, tile)
+  dw = _weight_grad(kernel, h, d_rows, w, routing, transpose_w, tile)
   return (_common.match_vma(dh.astype(h.dtype), h), _common.match_vma(dw, w),
           _common.match_vma(dweights, weights), _no_cotangent(routing))
 
@@ -298,15 +300,19 @@ def _gather_weights(kernel, weights, axis_name):
   return lax.all_gather(weights, axis_name, tiled=True)
 
 
-def _weight_grad(kernel, a, d, w, routing, transpose_w):
+def _weight_grad(kernel, a, d, w, routing, transpose_w, tile):
   """dw[g] = Σ over every segment's rows i of expert g: a[i]ᵀ · d[i] (a [tp*s, K], d [tp*s, n]),
   laid out like w: the weight cotangent of one grouped GEMM over the rows in expert-major
   order (rows routed to no expert sort last, past every group)."""
   a = jnp.take(a, routing.expert_order, axis=0)
   d = jnp.take(d, routing.expert_order, axis=0)
   sizes = jnp.sum(routing.group_sizes, axis=0)
-  impl = "fused" if kernel == "fused" else "xla"
-  y, vjp = jax.vjp(lambda w: grouped_matmul(a, w, sizes, impl=impl, transpose_w=transpose_w), w)
+  if kernel == "fused":
+    forward = lambda w: _grouped_kernel.grouped_matmul(  # noqa: E731
+        a, w, sizes.astype(jnp.int32), transpose_w, tile)
+  else:
+    forward = lambda w: grouped_matmul(a, w, sizes, impl="xla", transpose_w=transpose_w)  # noqa: E731
+  y, vjp = jax.vjp(forward, w)
   (dw,) = vjp(d.astype(y.dtype))
   return dw.astype(w.dtype)
 

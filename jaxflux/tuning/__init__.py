@@ -77,7 +77,8 @@ def _stack() -> list:
 def override(op: str, **fields):
   """Replaces fields of `op`'s choice in calls traced inside the block (checked at once). `op`:
   one of OVERRIDE_OPS; "grouped_matmul" sets the tile of every grouped GEMM a
-  `jaxflux.grouped_matmul` call traced in the block runs (its forward and backward)."""
+  `jaxflux.grouped_matmul` or MoE op (`all_gather_grouped_matmul`,
+  `grouped_matmul_reduce_scatter`) traced in the block runs, forward and backward."""
   check_op(op, OVERRIDE_OPS)
   check_fields(op, fields)
   stack = _stack()
