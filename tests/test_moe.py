@@ -17,6 +17,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jaxflux
 import jaxflux.nnx
 from conftest import assert_trees_close, mesh_of
+from jaxpr_util import equations, ffi_calls
 
 EXPLICIT, AUTO = AxisType.Explicit, AxisType.Auto
 HIDDEN, INTER = 16, 24
@@ -279,6 +280,9 @@ MESHES = {
   "dp2_ep2_tp2_fsdp": ((2, 2, 2), ("dp", "ep", "tp"),
                        (("exp", "ep"), ("mlp", "tp"), ("embed", "dp")), P("dp", "tp")),
   "ep8": ((8,), ("ep",), (("exp", "ep"),), P()),
+  # Tensor parallelism with sequence-parallel tokens: the fused MoE ops' split.
+  "tp4_sequence_parallel": ((4,), ("tp",), (("mlp", "tp"),), P(None, "tp")),
+  "dp2_tp4_sequence_parallel": ((2, 4), ("dp", "tp"), (("mlp", "tp"),), P("dp", "tp")),
 }
 
 
@@ -311,6 +315,49 @@ def test_sharded_over_experts_matches_unsharded(case, axis_type):
     assert jax.typeof(y).sharding.spec == P(*x_spec, *[None] * (3 - len(x_spec)))
     for name, g in grads[0].items():
       assert g.sharding.is_equivalent_to(params_sharded[name].sharding, g.ndim), name
+
+
+# Tensor parallelism with sequence-parallel tokens (the intermediate dimension and the tokens on
+# one axis, the experts whole): the layer runs the MoE ops, all_gather_grouped_matmul ->
+# activation -> grouped_matmul_reduce_scatter.
+TP_RULES = (("mlp", "tp"),)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_tensor_parallel_split_runs_the_moe_ops_and_matches(activation):
+  mesh = mesh_of((2,), ("tp",))
+  layer = jaxflux.MoE(4, 2, INTER, activation=activation, impl="xla")
+  params, x, y_ref, aux_ref, grads_ref = reference_run(17, 4, 2, activation, (2, 6, HIDDEN))
+  with jax.set_mesh(mesh), nn.logical_axis_rules(TP_RULES):
+    variables = jax.jit(layer.init)(jax.random.key(0), x)
+    sharded = {k: jax.device_put(v, variables["params"][k].value.sharding)
+               for k, v in params.items()}
+    xs = jax.device_put(x, NamedSharding(mesh, P(None, "tp")))
+    y, aux, grads = linen_run(layer, sharded, xs)
+  assert_trees_close(y, y_ref)
+  np.testing.assert_allclose(aux, aux_ref, rtol=1e-5)
+  assert_trees_close(grads, grads_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_tensor_parallel_split_calls_the_fused_moe_ops(fake_hopper):
+  """With the kernels (faked: traced, not run), forward and backward hold both fused MoE calls
+  and gather or scatter no token through XLA."""
+  mesh = mesh_of((2,), ("tp",))
+  layer = jaxflux.MoE(4, 2, 32, impl="fused", dtype=jnp.bfloat16)  # 16 columns per device
+  params, x = random_params(19, 4, "swiglu", inter=32), random_x(20, (2, 6, HIDDEN))
+  with jax.set_mesh(mesh), nn.logical_axis_rules(TP_RULES):
+    boxes = jax.eval_shape(layer.init, jax.random.key(0), x)["params"]
+    sharded = {k: jax.device_put(v, NamedSharding(mesh, mesh_spec(boxes[k].names, TP_RULES)))
+               for k, v in params.items()}
+    xs = jax.device_put(x, NamedSharding(mesh, P(None, "tp")))
+    loss = lambda p, x: sum_of_squares(layer.apply({"params": p}, x))  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(sharded, xs)
+  targets = {target for target, _ in ffi_calls(jaxpr)}
+  assert {"jaxflux_all_gather_grouped_matmul",
+          "jaxflux_grouped_matmul_reduce_scatter"} <= targets, targets
+  shapes = [eqn.invars[0].aval.shape for eqn in equations(jaxpr)
+            if eqn.primitive.name in ("all_gather", "reduce_scatter", "psum_scatter")]
+  assert all(shape[-1] != HIDDEN for shape in shapes), shapes  # ids and weights only
 
 
 @pytest.mark.slow

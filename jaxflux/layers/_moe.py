@@ -14,7 +14,10 @@ parallelism) and its intermediate dimension on (expert tensor parallelism) split
 MLP, in a shard_map manual over those axes and the mesh's Explicit axes. Each device routes its
 own tokens, multiplies by its own slice of the experts only, and the partial outputs are summed
 over those axes (all-reduce). Where such an axis also shards the tokens, the tokens are
-all-gathered over it after routing and the outputs reduce-scattered back. A device keeps all
+all-gathered over it after routing and the outputs reduce-scattered back; where one axis alone
+splits the intermediate dimension and the tokens (tensor parallelism with sequence-parallel
+tokens), that gather, the grouped matmuls and the reduce-scatter are the fused MoE ops
+(`all_gather_grouped_matmul`, `grouped_matmul_reduce_scatter`). A device keeps all
 T * k rows of the tokens it sees, the static worst case: rows routed to other devices' experts
 sort past its groups, where grouped_matmul gives zeros. Sending each device only its own rows
 (an all-to-all dispatch) is not implemented.
@@ -33,7 +36,8 @@ from jax import lax
 from jax.sharding import AxisType, PartitionSpec as P
 
 from jaxflux.layers import _layer_mesh as lm
-from jaxflux.ops import grouped_matmul
+from jaxflux.ops import (all_gather_grouped_matmul, grouped_matmul,
+                         grouped_matmul_reduce_scatter, moe_routing)
 from jaxflux.ops._common import stable_argsort
 
 ACTIVATIONS = ("swiglu", "gelu")
@@ -125,6 +129,14 @@ class _Plan:
   tokens: tuple            # the Explicit axes sharding the tokens
   gather: tuple            # axes sharding both the tokens and the experts' work
   reduce: tuple            # axes sharding the experts' work only
+
+  @property
+  def tensor_parallel_axis(self) -> str | None:
+    """The one axis that splits the experts' intermediate dimension and the tokens (and nothing
+    else splits the experts): the split the fused MoE ops run. None for any other split."""
+    if not self.experts and len(self.mlp) == 1 and self.gather == self.mlp and not self.reduce:
+      return self.mlp[0]
+    return None
 
 
 def check_split(layer: str, mesh, wi_spec, num_experts: int, intermediate: int) -> tuple:
@@ -220,17 +232,34 @@ def expert_mlp(x, weights, experts, wi, wo, *, activation: str, impl: str, preci
   sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
   xs = jnp.take(x, order // k, axis=0)
   matmul = functools.partial(grouped_matmul, group_sizes=sizes, impl=impl, precision=precision)
-  if activation == "swiglu":
-    h = jax.nn.silu(matmul(xs, wi[0])) * matmul(xs, wi[1])
-  else:
-    h = jax.nn.gelu(matmul(xs, wi[0]))
-  ys = matmul(h, wo)
+  ys = matmul(_activation(activation, [matmul(xs, w) for w in wi]), wo)
   # Back to (token, expert) order: the inverse permutation, a scatter of integers (no gradient).
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
   pairs = jnp.take(ys, inverse, axis=0).reshape(rows, k, ys.shape[-1])
   # The weighted sum in float32, like the routing weights; one rounding to dtype at the end.
   y = jnp.einsum("rkh,rk->rh", pairs.astype(jnp.float32), weights, precision=precision)
   return y.astype(dtype)
+
+
+def _activation(activation: str, h: list):
+  """The expert MLP's activation of its first matmul(s): swiglu's two, gelu's one."""
+  if activation == "swiglu":
+    return jax.nn.silu(h[0]) * h[1]
+  return jax.nn.gelu(h[0])
+
+
+def tensor_parallel_experts(x, weights, experts, wi, wo, *, axis: str, activation: str,
+                            impl: str, dtype):
+  """expert_mlp for this device's tokens, sequence-parallel over `axis`, with every expert's
+  intermediate dimension split over it: the fused MoE ops (all_gather_grouped_matmul ->
+  activation -> grouped_matmul_reduce_scatter, which gathers the tokens, multiplies, sums over
+  the intermediate shards, scatters back and combines the top k in one pass), with no XLA
+  collective on the tokens' path. x [m, H], weights (float32) and experts [m, k] -> [m, H]."""
+  routing = moe_routing(experts, wo.shape[0], axis)
+  x = x.astype(dtype)
+  h = _activation(activation, [all_gather_grouped_matmul(x, w, routing, axis_name=axis,
+                                                         impl=impl) for w in wi])
+  return grouped_matmul_reduce_scatter(h, wo, routing, weights, axis_name=axis, impl=impl)
 
 
 def moe_mlp(layer: str, x, gate, wi: tuple, wo, *, num_experts_per_tok: int,
@@ -268,6 +297,10 @@ def moe_mlp(layer: str, x, gate, wi: tuple, wo, *, num_experts_per_tok: int,
     weights, experts, pairs, probs = route(x, gate, k, norm_topk_prob, precision)
     if plan and plan.tokens:
       pairs, probs = lax.psum((pairs, probs), plan.tokens)
+    if plan and plan.tensor_parallel_axis:
+      y = tensor_parallel_experts(x, weights, experts, tuple(wi), wo, activation=activation,
+                                  impl=impl, dtype=dtype, axis=plan.tensor_parallel_axis)
+      return y.reshape(*lead, hidden), pairs, probs
     rows = [x.astype(dtype), weights, experts]
     if plan and plan.gather:
       rows = [lax.all_gather(a, plan.gather, axis=0, tiled=True) for a in rows]
