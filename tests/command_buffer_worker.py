@@ -1,8 +1,9 @@
 """Runs a decode-step-like program of the tp=1 kernels (the decode GEMM, CUTLASS's GEMM, the
 grouped GEMM and its backward) on one GPU and prints, as JSON, each target's calls per run (from
 the compiled HLO), how many times the host ran their execute stage over RUNS runs after a
-warm-up, and the digests of the runs' output bytes. Run under different XLA_FLAGS by
-test_command_buffers_gpu.py (XLA reads them once per process)."""
+warm-up, the digests of the runs' output bytes, and how many compilations JAX's persistent
+cache served. Run under different XLA_FLAGS by test_command_buffers_gpu.py (XLA reads them once
+per process), and twice on one cache directory by test_compilation_cache_gpu.py."""
 import hashlib
 import json
 import sys
@@ -32,6 +33,10 @@ def step(x, w1, w2, wg, group_sizes):
 
 
 def main() -> None:
+  cache_hits = []
+  jax.monitoring.register_event_listener(
+      lambda event, **kwargs: cache_hits.append(event)
+      if event == "/jax/compilation_cache/cache_hits" else None)
   rows, hidden, ffn, groups = 16, 1024, 2048, 4
   keys = jax.random.split(jax.random.key(int(sys.argv[1])), 4)
   x = jax.random.normal(keys[0], (rows, hidden), jnp.bfloat16)
@@ -51,7 +56,7 @@ def main() -> None:
   after = _runtime.host_executions()
   print(json.dumps({"runs": RUNS, "calls_per_run": {t: calls.get(t, 0) for t in TARGETS},
                     "host_executions": {t: after[t] - before[t] for t in TARGETS},
-                    "digests": sorted(digests)}))
+                    "digests": sorted(digests), "cache_hits": len(cache_hits)}))
 
 
 if __name__ == "__main__":

@@ -12,8 +12,10 @@ import pytest
 HERE = pathlib.Path(__file__).parent
 
 
-def _run(xla_flags: str, seed: int) -> dict:
-  env = dict(os.environ)
+def run_worker(xla_flags: str, seed: int, **env_vars) -> dict:
+  """command_buffer_worker.py's report, run in a fresh process with `xla_flags` added and
+  `env_vars` set."""
+  env = {**os.environ, **env_vars}
   env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS", ""), xla_flags]))
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), str(HERE.parent),
                                                     env.get("PYTHONPATH", "")]))
@@ -29,8 +31,8 @@ def test_captured_into_command_buffers_and_bitwise_as_without():
   the host executes each call at most once (a recapture), against every run with command
   buffers off; every run's output has the same bits either way. (The compiled HLO doesn't show
   the capture: XLA forms command buffers from the thunks, after HLO.)"""
-  on = _run("", seed=3)
-  off = _run("--xla_gpu_enable_command_buffer=", seed=3)
+  on = run_worker("", seed=3)
+  off = run_worker("--xla_gpu_enable_command_buffer=", seed=3)
   runs = on["runs"]
   for target, calls in on["calls_per_run"].items():
     assert calls >= 2, (target, calls)  # a forward and a backward call each

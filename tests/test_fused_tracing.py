@@ -352,3 +352,19 @@ def test_another_auto_axis_makes_auto_use_xla_and_fused_raise(fake_hopper, op):
   with pytest.raises(jaxflux.FusedKernelUnavailableError, match=r"mesh axis 'dp' \(size 4\)"):
     jax.eval_shape(mapped("fused", {"tp"}), x, w)
   assert f"jaxflux_{op}" in _jaxpr_text(mapped("auto", {"dp", "tp"}), x, w)
+
+
+def test_jax_export_refuses_a_fused_program_naming_the_target(fake_gpu):
+  """jaxflux's FFI targets carry no serialization guarantee (their attributes follow the
+  library's version, and the cross-process calls bake this process's workspace generation in),
+  so jax.export refuses them with JAX's error, which names the target."""
+  from jax import export
+
+  mesh = make_mesh((1,), ("tp",))
+  f = jax.jit(jax.shard_map(lambda x, w: jaxflux.matmul_all_reduce(x, w, "tp", impl="fused"),
+                            mesh=mesh, in_specs=(P(), P()), out_specs=P()))
+  x = jax.ShapeDtypeStruct((8, 64), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"custom calls whose targets have no compatibility "
+                                       r"guarantees(.|\n)*jaxflux_gemm"):
+    export.export(f, platforms=["cuda"])(x, w)
