@@ -619,6 +619,88 @@ def run_moe():
           check(f"{name} back-to-back call {j}", results[j], zj, tol=2e-2)
 
 
+def moe_layer_reference(params, x, topk, activation, ct):
+  """(y, d params, dx) of a dense float32 top-k expert MLP on the CPU: every token through every
+  expert, then its top k weighted (renormalized for k > 1), as jaxflux.MoE computes it."""
+  def layer(params, x):
+    probs = jax.nn.softmax(x @ params["gate"], axis=-1)
+    weights, chosen = jax.lax.top_k(probs, topk)
+    if topk > 1:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if activation == "swiglu":
+      h = (jax.nn.silu(jnp.einsum("th,ehi->tei", x, params["wi_0"]))
+           * jnp.einsum("th,ehi->tei", x, params["wi_1"]))
+    else:
+      h = jax.nn.gelu(jnp.einsum("th,ehi->tei", x, params["wi"]))
+    every = jnp.einsum("tei,eih->teh", h, params["wo"])
+    picked = jnp.take_along_axis(every, chosen[:, :, None], axis=1)
+    return jnp.einsum("tk,tkh->th", weights, picked)
+  with jax.default_device(jax.devices("cpu")[0]):
+    y = layer(params, x)
+    grads = jax.grad(lambda p, x: jnp.sum(layer(p, x) * ct), argnums=(0, 1))(params, x)
+  return np.asarray(y), jax.tree.map(np.asarray, grads)
+
+
+def run_moe_layer():
+  """jaxflux.MoE with the experts' intermediate dimension and the tokens over 'tp' (rule
+  ("mlp", "tp")), impl="fused", bf16 compute: the fused MoE ops (ids gathered by jaxflux's
+  all-gather), forward and backward (the experts' kernels and x) in one program with no XLA
+  collective, against a dense float32 reference."""
+  import flax.linen as nn
+  from jax.sharding import AxisType
+
+  explicit = jax.make_mesh((tp,), ("tp",), (AxisType.Explicit,))
+  cases = [(32, 256, 512, 8, 2, "swiglu"), (13, 128, 256, 6, 1, "gelu"),
+           (16, 128, 256, 8, 8, "swiglu")]  # (tokens per rank, hidden, inter, E, top-k, act)
+  for i, (m, hidden, inter, experts, topk, act) in enumerate(cases):
+    name = f"moe layer m={m} H={hidden} I={inter} E={experts} top{topk} {act}"
+    rng = np.random.default_rng(700 + i)
+    cast = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))  # noqa: E731
+    gate = rng.standard_normal((hidden, experts)).astype(np.float32) / np.sqrt(hidden)
+    gate[:, -2:] -= 4.0 / np.sqrt(hidden)  # the last experts rarely chosen: empty groups
+    params = {"gate": gate, "wo": cast(rng.standard_normal((experts, inter, hidden))
+                                       / np.sqrt(inter))}
+    for w in (("wi_0", "wi_1") if act == "swiglu" else ("wi",)):
+      params[w] = cast(rng.standard_normal((experts, hidden, inter)) / np.sqrt(hidden))
+    x = cast(rng.standard_normal((tp * m, hidden)))
+    ct = rng.standard_normal((tp * m, hidden)).astype(np.float32)
+    y_want, (dp_want, dx_want) = moe_layer_reference(params, x, topk, act, ct)
+    layer = jaxflux.MoE(experts, topk, inter, activation=act, impl="fused", dtype=jnp.bfloat16)
+    specs = {"gate": P(), "wo": P(None, "tp", None), "wi": P(None, None, "tp"),
+             "wi_0": P(None, None, "tp"), "wi_1": P(None, None, "tp")}
+    with jax.set_mesh(explicit), nn.logical_axis_rules((("mlp", "tp"),)):
+      tokens = NamedSharding(explicit, P("tp", None))
+      p_dev = {k: jax.make_array_from_callback(v.shape, NamedSharding(explicit, specs[k]),
+                                               lambda idx, v=v: v[idx])
+               for k, v in params.items()}
+      x_dev, ct_dev = (jax.make_array_from_callback(a.shape, tokens, lambda idx, a=a: a[idx])
+                       for a in (x, ct))
+
+      experts_dev = {k: v for k, v in p_dev.items() if k != "gate"}
+
+      # The router's kernel is not differentiated: its gradient is an all-reduce over the
+      # ranks' tokens (an XLA collective, which two ranks on one GPU can't run).
+      def step(experts, gate, x, ct):
+        y, vjp = jax.vjp(lambda e, x: layer.apply({"params": {**e, "gate": gate}}, x),
+                         experts, x)
+        return (y, *vjp(ct.astype(y.dtype)))
+
+      step = jax.jit(step)
+      hlo = step.lower(experts_dev, p_dev["gate"], x_dev, ct_dev).compile().as_text()
+      collectives = [c for c in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all")
+                     if c + "(" in hlo or c + "-start" in hlo]
+      if collectives or "jaxflux_all_gather_grouped_matmul" not in hlo:
+        failures.append(f"{name}: XLA collectives {collectives} or no fused MoE call")
+        print(f"FAIL {name} hlo {collectives}", flush=True)
+        continue
+      print(f"PASS {name} hlo", flush=True)
+      y, dp, dx = step(experts_dev, p_dev["gate"], x_dev, ct_dev)
+    check(f"{name} y", y, y_want, tol=2e-2)
+    check(f"{name} dx", dx, dx_want, tol=3e-2)
+    for k in dp:
+      check(f"{name} d{k}", dp[k], dp_want[k], tol=3e-2)
+
+
 def shard_mapped(fn, in_specs, out_spec):
   return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec))
 
@@ -732,6 +814,9 @@ elif MODE == "fuzz":
 elif MODE == "moe":
   with jax.set_mesh(mesh):
     run_moe()
+  _runtime.check_errors()
+elif MODE == "moe_layer":
+  run_moe_layer()
   _runtime.check_errors()
 elif MODE == "mlp":
   with jax.set_mesh(mesh):

@@ -110,6 +110,20 @@ def test_routing_of_gathered_ids_is_the_same():
     np.testing.assert_array_equal(a, b, err_msg=field)
 
 
+def test_routing_gathers_the_ids_with_the_fused_all_gather(fake_hopper):
+  """impl="fused": the ids go through jaxflux's all-gather (a program with no XLA collective),
+  and the routing is built from them as from lax.all_gather's."""
+  mesh = make_mesh((2,), ("tp",))
+  ids = expert_ids(12, 2 * 3, 2, invalid=False)
+
+  def body(ids):
+    return jax.tree.map(lambda a: a[None], moe_routing(ids, G, "tp", impl="fused"))
+  f = jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
+  jaxpr = jax.make_jaxpr(f)(ids)
+  assert [target for target, _ in ffi_calls(jaxpr)] == ["jaxflux_all_gather"]
+  assert "all_gather" not in {eqn.primitive.name for eqn in equations(jaxpr)}
+
+
 # --- values and gradients ---------------------------------------------------------------------
 
 def in_specs(transpose_w):
@@ -385,6 +399,9 @@ def test_routing_errors():
     trace(lambda ids: moe_routing(ids, G, "tp", gathered=True).row_index, IDS)
   with pytest.raises(ValueError, match=r"moe_routing: unknown axis_name='ep'"):
     trace(lambda ids: moe_routing(ids, G, "ep").row_index, IDS)
+  with pytest.raises(ValueError, match=r"moe_routing: impl='auto' is not one of \('xla', "
+                                       r"'fused'\)"):
+    trace(lambda ids: moe_routing(ids, G, "tp", impl="auto").row_index, IDS)
   with pytest.raises(TypeError, match=r"routing must be the MoeRouting of moe_routing"):
     trace(lambda x, ids: all_gather_grouped_matmul(
         x, jnp.zeros((G, 8, 4)), tuple(moe_routing(ids, G, "tp")), axis_name="tp"),

@@ -148,6 +148,19 @@ def test_moe_ops_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path
     assert out.count("PASS moe ") == 2 * 4 * 7 + 2 * 4, describe(results)
 
 
+def test_moe_layer_on_the_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path):
+  """jaxflux.MoE with the experts' intermediate dimension and the tokens over 'tp' runs the fused
+  MoE ops with no XLA collective, forward and backward (the router's kernel held fixed: its
+  gradient is an all-reduce), against a dense float32 reference (the worker's MODE=moe_layer:
+  top-1, 2 and 8, swiglu and gelu, empty experts)."""
+  results = _run(one_gpu_launcher, tmp_path, "moe_layer", timeout=300, shared=True)
+  assert [code for code, _ in results] == [0, 0], describe(results)
+  for i, (_, out) in enumerate(results):
+    assert f"WORKER OK {i}" in out and "FAIL" not in out, describe(results)
+    # per case: the HLO, y, dx and each expert kernel (swiglu 3, gelu 2)
+    assert out.count("PASS moe layer ") == 6 + 5 + 6, describe(results)
+
+
 @pytest.mark.slow  # the full tier's ops chunk: 33 s on one H100
 def test_a_dead_peer_sharing_one_gpu_fails_the_survivor(one_gpu_launcher, tmp_path):
   _assert_every_wait_timed_out(_run(one_gpu_launcher, tmp_path, "die", timeout=120, shared=True))

@@ -255,7 +255,8 @@ def tensor_parallel_experts(x, weights, experts, wi, wo, *, axis: str, activatio
   activation -> grouped_matmul_reduce_scatter, which gathers the tokens, multiplies, sums over
   the intermediate shards, scatters back and combines the top k in one pass), with no XLA
   collective on the tokens' path. x [m, H], weights (float32) and experts [m, k] -> [m, H]."""
-  routing = moe_routing(experts, wo.shape[0], axis)
+  # impl="fused": the ids too go through jaxflux's all-gather (no XLA collective on this path).
+  routing = moe_routing(experts, wo.shape[0], axis, impl="fused" if impl == "fused" else "xla")
   x = x.astype(dtype)
   h = _activation(activation, [all_gather_grouped_matmul(x, w, routing, axis_name=axis,
                                                          impl=impl) for w in wi])

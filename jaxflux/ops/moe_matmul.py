@@ -307,11 +307,12 @@ def _weight_grad(kernel, a, d, w, routing, transpose_w, tile):
   a = jnp.take(a, routing.expert_order, axis=0)
   d = jnp.take(d, routing.expert_order, axis=0)
   sizes = jnp.sum(routing.group_sizes, axis=0)
-  if kernel == "fused":
-    forward = lambda w: _grouped_kernel.grouped_matmul(  # noqa: E731
-        a, w, sizes.astype(jnp.int32), transpose_w, tile)
-  else:
-    forward = lambda w: grouped_matmul(a, w, sizes, impl="xla", transpose_w=transpose_w)  # noqa: E731
+
+  def forward(w):
+    if kernel == "fused":
+      return _grouped_kernel.grouped_matmul(a, w, sizes.astype(jnp.int32), transpose_w, tile)
+    return grouped_matmul(a, w, sizes, impl="xla", transpose_w=transpose_w)
+
   y, vjp = jax.vjp(forward, w)
   (dw,) = vjp(d.astype(y.dtype))
   return dw.astype(w.dtype)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxflux.ops import _common, _plan
+from jaxflux.ops import _common, _plan, all_gather
 
 _OP = "moe_routing"
 
@@ -58,8 +58,8 @@ class MoeRouting(NamedTuple):
     return self.pair_index // self.topk
 
 
-def moe_routing(expert_ids, num_experts: int, axis_name: str, *,
-                gathered: bool = False) -> MoeRouting:
+def moe_routing(expert_ids, num_experts: int, axis_name: str, *, gathered: bool = False,
+                impl: str = "xla") -> MoeRouting:
   """The routing of every rank's (token, expert) pairs into expert-sorted segments.
 
   Call it inside `jax.shard_map` over the tensor-parallel axis, on this rank's tokens' experts,
@@ -74,20 +74,29 @@ def moe_routing(expert_ids, num_experts: int, axis_name: str, *,
     axis_name: the tensor-parallel mesh axis (size tp) over which the tokens are sharded.
     gathered: expert_ids is every rank's, [tp, m, topk] (rank p's tokens' experts at [p]), the
       same on every rank, and nothing is communicated. By default it is this rank's, and the
-      ids are all-gathered over axis_name (an XLA all-gather of tp*m*topk integers).
+      ids are all-gathered over axis_name (tp*m*topk integers).
+    impl: how the ids are gathered: "xla" (`lax.all_gather`) or "fused" (jaxflux's copy-engine
+      all-gather, a program with no XLA collective, as the fused MoE ops are: where NCCL
+      can't run, e.g. ranks sharing a GPU; FusedKernelUnavailableError where it can't run).
 
   Returns:
     MoeRouting(group_sizes [tp, G], pair_index [tp, s], row_index [m, topk],
     expert_order [tp*s]), int32, s = m*topk (module docstring).
   """
   gathered = _plan._static_bool(_OP, "gathered", gathered)
+  if impl not in ("xla", "fused"):
+    raise ValueError(f"{_OP}: impl={impl!r} is not one of ('xla', 'fused'): how the expert ids "
+                     "are gathered, lax.all_gather or jaxflux's copy-engine all-gather.")
   tp = _plan.axis_size(_OP, axis_name)
   expert_ids = _check(expert_ids, num_experts, tp if gathered else None)
   m, topk = expert_ids.shape[-2:]
   s = m * topk
   axes = _common.vma(expert_ids) | {axis_name}
   expert_ids = _common.mark_varying(expert_ids, axes)
-  if not gathered:
+  if not gathered and impl == "fused":
+    expert_ids = _common.mark_varying(
+        all_gather.all_gather(expert_ids, axis_name, impl="fused").reshape(tp, m, topk), axes)
+  elif not gathered:
     expert_ids = lax.all_gather(expert_ids, axis_name)
   ids_all = expert_ids.reshape(tp, s)
   # Invalid ids sort last, as group G (dropped from the counts).
