@@ -635,7 +635,7 @@ def moe_layer_reference(params, x, topk, activation, ct):
     every = jnp.einsum("tei,eih->teh", h, params["wo"])
     picked = jnp.take_along_axis(every, chosen[:, :, None], axis=1)
     return jnp.einsum("tk,tkh->th", weights, picked)
-  with jax.default_device(jax.devices("cpu")[0]):
+  with jax.default_device(jax.local_devices(backend="cpu")[0]):
     y = layer(params, x)
     grads = jax.grad(lambda p, x: jnp.sum(layer(p, x) * ct), argnums=(0, 1))(params, x)
   return np.asarray(y), jax.tree.map(np.asarray, grads)

@@ -1,5 +1,6 @@
 """jaxflux.MoE on one GPU: the fused grouped GEMM path (impl="fused") against the same layer on
 XLA's ragged dot, forward and gradients, in bfloat16."""
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,7 +66,7 @@ def test_fused_layer_on_zero_tokens_and_top_1(k):
   layers = {impl: jaxflux.MoE(experts, k, inter, impl=impl, dtype=jnp.bfloat16,
                               param_dtype=jnp.bfloat16) for impl in ("fused", "xla")}
   x = jax.random.normal(jax.random.key(4), (2, 128, hidden), jnp.float32).astype(jnp.bfloat16)
-  params = jax.jit(layers["xla"].init)(jax.random.key(5), x)["params"]
+  params = nn.unbox(jax.jit(layers["xla"].init)(jax.random.key(5), x)["params"])
   loss = lambda impl: jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.square(
       layers[impl].apply({"params": p}, x).astype(jnp.float32)))))
   empty = jnp.zeros((0, hidden), jnp.bfloat16)
