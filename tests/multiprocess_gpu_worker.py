@@ -41,7 +41,8 @@ processes' GPUs:
   MODE=moe: the tensor-parallel MoE ops (jaxflux.all_gather_grouped_matmul, GELU,
     jaxflux.grouped_matmul_reduce_scatter, impl="fused") as one expert MLP, forward and backward
     in one program, on random routings with empty experts, odd token counts, top-1 to top-3,
-    both weight layouts, bf16 and fp16, against a float32 dense reference of the global data
+    both weight layouts, bf16 and fp16 (MODE=moe_bfloat16: bf16 alone), against a float32
+    dense reference of the global data
     that runs every token through every expert and picks its top-k (z, the first op's rows,
     dx, dw1, dw2, d(weights)); 20 back-to-back calls; every compiled program holds both fused
     custom calls and no XLA all-gather / reduce-scatter;
@@ -542,15 +543,16 @@ def moe_reference(x, w1, w2, ids, weights, ct):
   return (np.asarray(z), np.concatenate(rows)) + tuple(np.asarray(g) for g in grads)
 
 
-def run_moe():
-  """The MoE MLP on the fused MoE ops, forward and backward in one program (see MODE=moe)."""
+def run_moe(dtypes):
+  """The MoE MLP on the fused MoE ops, forward and backward in one program (see MODE=moe), in
+  each of `dtypes`."""
   cases = [  # (m tokens per rank, k, n, out, experts, topk, transpose_w)
       (64, 256, 256, 256, 6, 2, False),
       (13, 128, 128, 64, 8, 1, False),
       (40, 128, 256, 128, 5, 3, True),
       (128, 512, 512, 256, 8, 2, True),
   ]
-  for dtype in (jnp.bfloat16, jnp.float16):
+  for dtype in dtypes:
     for i, (m, k, n, out, experts, topk, tw) in enumerate(cases):
       name = f"moe {jnp.dtype(dtype).name} m={m} k={k} n={n} out={out} G={experts} top{topk}" + (
           " transpose_w" if tw else "")
@@ -811,9 +813,9 @@ elif MODE == "all_reduce":
 elif MODE == "fuzz":
   with jax.set_mesh(mesh):
     run_fuzz()
-elif MODE == "moe":
+elif MODE in ("moe", "moe_bfloat16"):
   with jax.set_mesh(mesh):
-    run_moe()
+    run_moe((jnp.bfloat16,) if MODE == "moe_bfloat16" else (jnp.bfloat16, jnp.float16))
   _runtime.check_errors()
 elif MODE == "moe_layer":
   run_moe_layer()

@@ -137,15 +137,20 @@ def test_fp8_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path):
   assert len(digests[0]) == 20 and digests[0] == digests[1], describe(results)
 
 
-def test_moe_ops_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path):
+# The quick tier runs bf16 (the two dtypes took 43 s on one H100); the full tier both.
+@pytest.mark.parametrize("dtypes", [pytest.param(1, id="bfloat16"),
+                                    pytest.param(2, id="bfloat16-float16",
+                                                 marks=pytest.mark.slow)])
+def test_moe_ops_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path, dtypes):
   """The fused MoE ops as one expert MLP, forward and backward, against a dense float32
-  reference of the global data (the worker's MODE=moe)."""
-  results = _run(one_gpu_launcher, tmp_path, "moe", timeout=300, shared=True)
+  reference of the global data (the worker's MODE=moe, or moe_bfloat16)."""
+  mode = "moe" if dtypes == 2 else "moe_bfloat16"
+  results = _run(one_gpu_launcher, tmp_path, mode, timeout=300, shared=True)
   assert [code for code, _ in results] == [0, 0], describe(results)
   for i, (_, out) in enumerate(results):
     assert f"WORKER OK {i}" in out and "FAIL" not in out, describe(results)
-    # 2 dtypes x 4 cases x (hlo + 6 outputs), and 4 back-to-back checks per dtype
-    assert out.count("PASS moe ") == 2 * 4 * 7 + 2 * 4, describe(results)
+    # dtypes x 4 cases x (hlo + 6 outputs), and 4 back-to-back checks per dtype
+    assert out.count("PASS moe ") == dtypes * 4 * 7 + dtypes * 4, describe(results)
 
 
 def test_moe_layer_on_the_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path):
