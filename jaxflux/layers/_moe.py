@@ -298,7 +298,8 @@ def moe_mlp(layer: str, x, gate, wi: tuple, wo, *, num_experts_per_tok: int,
     weights, experts, pairs, probs = route(x, gate, k, norm_topk_prob, precision)
     if plan and plan.tokens:
       pairs, probs = lax.psum((pairs, probs), plan.tokens)
-    if plan and plan.tensor_parallel_axis:
+    # The MoE ops take no precision: a layer given one keeps the path that passes it on.
+    if plan and plan.tensor_parallel_axis and precision is None:
       y = tensor_parallel_experts(x, weights, experts, tuple(wi), wo, activation=activation,
                                   impl=impl, dtype=dtype, axis=plan.tensor_parallel_axis)
       return y.reshape(*lead, hidden), pairs, probs
