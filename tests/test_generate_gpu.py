@@ -19,7 +19,8 @@ SMALL = ["--tp", "1", "--impl", "fused", "--dtype", "bfloat16", "--prompt-len", 
 
 @pytest.mark.parametrize("extra", [
     pytest.param([], id="dense"),
-    pytest.param(["--moe", "4,2"], id="moe-top2", marks=pytest.mark.slow),  # 25 s on one H100
+    # 25 s on one H100 (benchmarks/results/h100_gpu_test_durations.json): the full tier's.
+    pytest.param(["--moe", "4,2"], id="moe-top2", marks=pytest.mark.slow),
     pytest.param(["--moe", "4,1"], id="moe-top1", marks=pytest.mark.slow),
     pytest.param(["--batch", "1"], id="batch1", marks=pytest.mark.slow),
 ])

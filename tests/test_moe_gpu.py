@@ -11,7 +11,8 @@ from gpu_util import rel_err
 
 
 @pytest.mark.gpu
-# The quick tier keeps one case of each (9 s and 5 s more on one H100 for the others).
+# The quick tier keeps one case of each (swiglu took 9 s more on one H100,
+# benchmarks/results/h100_gpu_test_durations.json).
 @pytest.mark.parametrize("activation", [pytest.param("swiglu", marks=pytest.mark.slow), "gelu"])
 def test_fused_layer_matches_ragged_dot_layer(activation):
   hidden, inter, experts, k = 512, 1024, 8, 2

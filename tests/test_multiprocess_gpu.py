@@ -137,7 +137,8 @@ def test_fp8_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path):
   assert len(digests[0]) == 20 and digests[0] == digests[1], describe(results)
 
 
-# The quick tier runs bf16 (the two dtypes took 43 s on one H100); the full tier both.
+# The quick tier runs bf16 (the two dtypes took 43 s on one H100,
+# benchmarks/results/h100_gpu_test_durations.json); the full tier both.
 @pytest.mark.parametrize("dtypes", [pytest.param(1, id="bfloat16"),
                                     pytest.param(2, id="bfloat16-float16",
                                                  marks=pytest.mark.slow)])

@@ -173,11 +173,12 @@ ENTRIES = (
 # the op is its GEMM alone, and the GEMM-only tables put it behind cuBLAS on average (decode
 # GEMM at M <= 128: 1.10x on H200, h200_gemm_decode.json; 1.079x on H100, h100_gemm_decode.json,
 # 1.04-1.25x at one row; persistent GEMM 1.075x above, h200_gemm_all_reduce.json). In the
-# generation example at batch 1 on H100 the fused layers decode level with Flax's (6.25 against
-# 6.31 ms/token, h100_generate_llama70b_8l_batch1.json): not ahead, so no rule.
+# generation example at batch 1 on H100 the fused layers decode level with Flax's at best (6.25
+# against 6.31 ms/token; 1.09x slower with the tp=1 GEMMs in XLA's command buffers,
+# h100_generate_llama70b_8l_batch1.json): not ahead, so no rule.
 #
 # The grouped and MoE ops: their XLA path multiplies with lax.ragged_dot, which the grouped
-# table puts 7-72x behind the kernel. For the MoE ops at tp >= 2 no two-GPU timing exists, but
+# table puts 7-72x behind the kernel on one H200. For the MoE ops at tp >= 2 no two-GPU timing exists, but
 # their XLA path does the same collectives around ragged_dot: the fused op would have to move
 # its tokens several times slower than NCCL to lose, so the rule takes the kernel at any tp.
 # Both tables were measured at 4,096-16,384 rows; fewer rows are not timed.
