@@ -233,6 +233,9 @@ std::optional<size_t> GemmWorkspaceBytes(GemmDtype dtype, int64_t m, int64_t n, 
 
 }  // namespace jaxflux
 
+// Not declared kCmdBufferCompatible, though execute could be captured: in a decode loop the
+// buffers move every step, XLA records the graph again each time, and batch-1 generation on one
+// H100 decoded 1.15x slower with the declaration (docs/design.md, "Command buffers").
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxfluxGemm, jaxflux::GemmExecute,
     xla::ffi::Ffi::Bind()
@@ -251,5 +254,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("push_chunks")                   // kernel 2: 1 tiles along N, as chunked
         .Attr<int64_t>("swizzle")                       // 1, 2, 4 or 8
         .Attr<int64_t>("grid_sms")                      // 0: all SMs
-        .Attr<int64_t>("fast_accum"),                   // FP8, kernel 0: 1 fast accumulation
-    {xla::ffi::Traits::kCmdBufferCompatible});
+        .Attr<int64_t>("fast_accum"));                  // FP8, kernel 0: 1 fast accumulation

@@ -213,6 +213,7 @@ std::optional<size_t> GroupedGemmWorkspaceBytes(GemmDtype dtype, int64_t m, int6
 
 }  // namespace jaxflux
 
+// Not declared kCmdBufferCompatible, as JaxfluxGemm (gemm.cc says why).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxfluxGroupedGemm, jaxflux::GroupedGemmExecute,
     xla::ffi::Ffi::Bind()
@@ -226,5 +227,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()                     // workspace: u8, its WorkspaceBytes
         .Attr<int64_t>("kind")                          // 0 forward, 1 weight gradient
         .Attr<int64_t>("transpose_w")                   // kind 0: 1 b is [G, n, k]
-        .Attr<int64_t>("tile"),                         // GroupedGemmTiles
-    {xla::ffi::Traits::kCmdBufferCompatible});
+        .Attr<int64_t>("tile"));                        // GroupedGemmTiles
