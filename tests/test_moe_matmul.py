@@ -134,15 +134,16 @@ def in_specs(transpose_w):
   return P("tp"), w1, w2, P("tp"), P("tp")
 
 
-def moe_mlp_fn(mesh, transpose_w, impl="xla"):
+def moe_mlp_fn(mesh, transpose_w, impl="xla", precision=None):
   """The MoE MLP on global arrays: all_gather_grouped_matmul -> tanh ->
   grouped_matmul_reduce_scatter, tokens sequence-parallel over 'tp'."""
   def body(x, w1, w2, weights, ids):
     routing = moe_routing(ids, G, "tp")
     h = all_gather_grouped_matmul(x, w1, routing, axis_name="tp", impl=impl,
-                                  transpose_w=transpose_w)
+                                  transpose_w=transpose_w, precision=precision)
     return grouped_matmul_reduce_scatter(jnp.tanh(h), w2, routing, weights, axis_name="tp",
-                                         impl=impl, transpose_w=transpose_w)
+                                         impl=impl, transpose_w=transpose_w,
+                                         precision=precision)
   return jax.shard_map(body, mesh=mesh, in_specs=in_specs(transpose_w), out_specs=P("tp"))
 
 
@@ -238,6 +239,29 @@ def test_moe_mlp_values_and_grads_match_dense_reference(tp, m, topk, transpose_w
     assert_close(got, want, 1e-4)
   if invalid:  # pairs routed nowhere get no weight gradient
     assert not np.asarray(grads[3])[(args[4] < 0) | (args[4] >= G)].any()
+
+
+@pytest.mark.parametrize("precision", [jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGHEST])
+def test_precision_reaches_every_xla_product(precision):
+  """The XLA path multiplies in the precision it is given, forward and backward (weight
+  gradients included), and computes the same values."""
+  tp, m, topk = 2, 3, 2
+  mesh = make_mesh((tp,), ("tp",))
+  args = operands(600, tp, m, topk, 8, 4 * tp, 6, False)
+  f = moe_mlp_fn(mesh, False, precision=precision)
+  r = rand(601, (tp * m, 6))
+  loss = lambda *a: jnp.sum(f(*a) * r)  # noqa: E731
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+  products = [e for e in equations(jaxpr) if e.primitive.name.startswith("ragged_dot")]
+  # forward: one per segment per op; backward: the partner op's per segment and a weight
+  # gradient (a ragged_dot's transpose) per op
+  assert len(products) >= 4 * tp + 2, [e.primitive.name for e in products]
+  assert {e.params["precision"] for e in products} == {(precision, precision)}
+  z, grads = value_and_grads(f, r, args)
+  z_ref, ref_grads = value_and_grads(functools.partial(dense_mlp, transpose_w=False), r, args)
+  assert_close(z, z_ref, 1e-5)
+  for got, want in zip(grads, ref_grads):
+    assert_close(got, want, 1e-4)
 
 
 def test_jit_traces_the_routing_once():

@@ -249,7 +249,7 @@ def _activation(activation: str, h: list):
 
 
 def tensor_parallel_experts(x, weights, experts, wi, wo, *, axis: str, activation: str,
-                            impl: str, dtype):
+                            impl: str, precision, dtype):
   """expert_mlp for this device's tokens, sequence-parallel over `axis`, with every expert's
   intermediate dimension split over it: the fused MoE ops (all_gather_grouped_matmul ->
   activation -> grouped_matmul_reduce_scatter, which gathers the tokens, multiplies, sums over
@@ -258,9 +258,10 @@ def tensor_parallel_experts(x, weights, experts, wi, wo, *, axis: str, activatio
   # impl="fused": the ids too go through jaxflux's all-gather (no XLA collective on this path).
   routing = moe_routing(experts, wo.shape[0], axis, impl="fused" if impl == "fused" else "xla")
   x = x.astype(dtype)
-  h = _activation(activation, [all_gather_grouped_matmul(x, w, routing, axis_name=axis,
-                                                         impl=impl) for w in wi])
-  return grouped_matmul_reduce_scatter(h, wo, routing, weights, axis_name=axis, impl=impl)
+  h = _activation(activation, [all_gather_grouped_matmul(x, w, routing, axis_name=axis, impl=impl,
+                                                         precision=precision) for w in wi])
+  return grouped_matmul_reduce_scatter(h, wo, routing, weights, axis_name=axis, impl=impl,
+                                       precision=precision)
 
 
 def moe_mlp(layer: str, x, gate, wi: tuple, wo, *, num_experts_per_tok: int,
@@ -298,10 +299,10 @@ def moe_mlp(layer: str, x, gate, wi: tuple, wo, *, num_experts_per_tok: int,
     weights, experts, pairs, probs = route(x, gate, k, norm_topk_prob, precision)
     if plan and plan.tokens:
       pairs, probs = lax.psum((pairs, probs), plan.tokens)
-    # The MoE ops take no precision: a layer given one keeps the path that passes it on.
-    if plan and plan.tensor_parallel_axis and precision is None:
+    if plan and plan.tensor_parallel_axis:
       y = tensor_parallel_experts(x, weights, experts, tuple(wi), wo, activation=activation,
-                                  impl=impl, dtype=dtype, axis=plan.tensor_parallel_axis)
+                                  impl=impl, precision=precision, dtype=dtype,
+                                  axis=plan.tensor_parallel_axis)
       return y.reshape(*lead, hidden), pairs, probs
     rows = [x.astype(dtype), weights, experts]
     if plan and plan.gather:

@@ -40,6 +40,7 @@ reference.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,8 +56,16 @@ _RS_OP = "grouped_matmul_reduce_scatter"
 _F32 = jnp.dtype(jnp.float32)
 
 
+class _Products(NamedTuple):
+  """How an op's grouped GEMMs multiply, read where the op is called and held static through
+  its custom_vjp: the kernel's tile (None: tuned per call; `override("grouped_matmul",
+  tile=...)`) and the XLA path's `lax.Precision`."""
+  tile: Any
+  precision: Any
+
+
 def all_gather_grouped_matmul(x, w, routing: MoeRouting, *, axis_name: str, impl: str = "auto",
-                              transpose_w: bool = False):
+                              transpose_w: bool = False, precision=None):
   """All-gathers every rank's tokens into expert-sorted segments and multiplies each row by its
   expert's weight (the first matmul of a tensor-parallel MoE MLP).
 
@@ -75,6 +84,9 @@ def all_gather_grouped_matmul(x, w, routing: MoeRouting, *, axis_name: str, impl
       The fused kernel takes bfloat16/float16 x and w of one dtype, K and n multiples of 8.
     transpose_w: w is given K-major, [G, n, K]; the op multiplies by each w[g]ᵀ in place. A
       static Python bool.
+    precision: `lax.Precision` for the XLA path's products, forward and backward, as in
+      `lax.ragged_dot` (the fused kernel always multiplies bf16/fp16 inputs with fp32
+      accumulation).
 
   Returns:
     y [tp*s, n] in x.dtype, s = m*topk: segment p holds rank p's (token, expert) pairs sorted
@@ -92,11 +104,12 @@ def all_gather_grouped_matmul(x, w, routing: MoeRouting, *, axis_name: str, impl
         f"{routing.row_index.shape[0]} (routing.row_index.shape={routing.row_index.shape}). "
         "Pass moe_routing of this rank's tokens' expert ids, one row per row of x.")
   kernel = _resolve(_AG_OP, impl, x, w, tp, axis_name)
-  return _all_gather_grouped_matmul(x, w, routing, kernel, axis_name, transpose_w, forced_tile())
+  return _all_gather_grouped_matmul(x, w, routing, kernel, axis_name, transpose_w,
+                                    _Products(forced_tile(), precision))
 
 
 def grouped_matmul_reduce_scatter(h, w, routing: MoeRouting, weights, *, axis_name: str,
-                                  impl: str = "auto", transpose_w: bool = False):
+                                  impl: str = "auto", transpose_w: bool = False, precision=None):
   """Multiplies every segment's rows by their experts' weights, reduce-scatters the segments
   over the ranks and combines each of this rank's tokens' top-k rows with the router weights
   (the second matmul of a tensor-parallel MoE MLP).
@@ -116,6 +129,7 @@ def grouped_matmul_reduce_scatter(h, w, routing: MoeRouting, weights, *, axis_na
     axis_name: the tensor-parallel mesh axis (size tp) that shards k and the tokens.
     impl: "auto", "fused" or "xla", as for all_gather_grouped_matmul.
     transpose_w: w is given K-major, [G, N, k]. A static Python bool.
+    precision: `lax.Precision` for the XLA path's products, as for all_gather_grouped_matmul.
 
   Returns:
     z [m, N] in h.dtype: this rank's tokens, summed over their top-k experts.
@@ -142,22 +156,23 @@ def grouped_matmul_reduce_scatter(h, w, routing: MoeRouting, weights, *, axis_na
                     f"weights); got dtype {weights.dtype}. Pass weights.astype(jnp.float32).")
   kernel = _resolve(_RS_OP, impl, h, w, tp, axis_name)
   return _grouped_matmul_reduce_scatter(h, w, weights, routing, kernel, axis_name, transpose_w,
-                                        forced_tile())
+                                        _Products(forced_tile(), precision))
 
 
 # --- the forward of each op, per kernel ---------------------------------------------------------
 
-def _ag_forward(kernel, x, w, group_sizes, token_index, row_scale, axis_name, transpose_w, tile):
+def _ag_forward(kernel, x, w, group_sizes, token_index, row_scale, axis_name, transpose_w,
+                products):
   """(y [tp*s, n], rows [tp*s, K]): rows[p*s + j] = row_scale[p, j] · x of rank p
   [token_index[p, j]] in x.dtype (a zero row for an index outside [0, m); row_scale None: 1),
-  y[segment p] = rows[segment p] · w[g] per expert group of group_sizes[p]. tile: the grouped
-  GEMM's (None: tuned per call)."""
+  y[segment p] = rows[segment p] · w[g] per expert group of group_sizes[p]. products: how the
+  grouped GEMMs multiply (_Products)."""
   tp = lax.axis_size(axis_name)
   if kernel == "fused" and tp > 1:
     if row_scale is None:
       row_scale = jnp.ones(token_index.shape, jnp.float32)
     return _moe_fused.all_gather_grouped(x, w, group_sizes, token_index, row_scale, axis_name,
-                                         transpose_w=transpose_w, tile=tile)
+                                         transpose_w=transpose_w, tile=products.tile)
   m = x.shape[0]
   s = token_index.shape[1]
   x_full = lax.all_gather(_common.mark_varying(x, {axis_name}), axis_name, tiled=True)
@@ -169,22 +184,23 @@ def _ag_forward(kernel, x, w, group_sizes, token_index, row_scale, axis_name, tr
     rows = rows.astype(acc) * row_scale.reshape(-1, 1).astype(acc)
   rows = jnp.where(valid, rows, 0).astype(x.dtype)
   y = jnp.concatenate([_segment_matmul(kernel, rows[p * s:(p + 1) * s], w, group_sizes[p],
-                                       transpose_w, tile) for p in range(tp)])
+                                       transpose_w, products) for p in range(tp)])
   axes = _axes(axis_name, x, w, group_sizes, token_index, row_scale)
   return _common.mark_varying(y, axes), _common.mark_varying(rows, axes)
 
 
-def _rs_forward(kernel, h, w, group_sizes, row_index, weights, axis_name, transpose_w, tile):
+def _rs_forward(kernel, h, w, group_sizes, row_index, weights, axis_name, transpose_w,
+                products):
   """(z [m, N], y_rows [s, N]): y_rows = Σ over ranks of h[segment r] · w[g] per expert group,
   r this rank; z[t] = Σ_k weights[t, k] · y_rows[row_index[t, k]] in float32, in h.dtype (an
   index outside [0, s) adds nothing)."""
   tp = lax.axis_size(axis_name)
   if kernel == "fused" and tp > 1:
     return _moe_fused.grouped_reduce_scatter(h, w, group_sizes, row_index, weights, axis_name,
-                                             transpose_w=transpose_w, tile=tile)
+                                             transpose_w=transpose_w, tile=products.tile)
   s = h.shape[0] // tp
   partials = jnp.stack([_segment_matmul(kernel, h[p * s:(p + 1) * s], w, group_sizes[p],
-                                        transpose_w, tile) for p in range(tp)])
+                                        transpose_w, products) for p in range(tp)])
   y_rows = lax.psum_scatter(_common.mark_varying(partials, {axis_name}), axis_name,
                             scatter_dimension=0, tiled=False)
   acc = jnp.promote_types(h.dtype, _F32)
@@ -196,14 +212,15 @@ def _rs_forward(kernel, h, w, group_sizes, row_index, weights, axis_name, transp
   return _common.mark_varying(z, axes), _common.mark_varying(y_rows, axes)
 
 
-def _segment_matmul(kernel, rows, w, group_sizes, transpose_w, tile):
+def _segment_matmul(kernel, rows, w, group_sizes, transpose_w, products):
   """One segment's grouped GEMM in the rows' dtype: the kernel (the fused ops at tp=1), or the
   reference accumulating in float32 at least."""
   if kernel == "fused":
-    return _grouped_kernel.grouped_matmul(rows, w, group_sizes, transpose_w, tile)
+    return _grouped_kernel.grouped_matmul(rows, w, group_sizes, transpose_w, products.tile)
   acc = jnp.promote_types(jnp.result_type(rows.dtype, w.dtype), _F32)
   return grouped_matmul(rows, w, group_sizes, impl="xla", transpose_w=transpose_w,
-                        preferred_element_type=acc).astype(rows.dtype)
+                        preferred_element_type=acc,
+                        precision=products.precision).astype(rows.dtype)
 
 
 def _pick_rows(y_rows, row_index):
@@ -226,28 +243,28 @@ def _axes(axis_name, *operands) -> frozenset:
 # --- the custom_vjps --------------------------------------------------------------------------
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _all_gather_grouped_matmul(x, w, routing, kernel, axis_name, transpose_w, tile):
+def _all_gather_grouped_matmul(x, w, routing, kernel, axis_name, transpose_w, products):
   return _ag_forward(kernel, x, w, routing.group_sizes, routing.token_index, None, axis_name,
-                     transpose_w, tile)[0]
+                     transpose_w, products)[0]
 
 
-def _ag_fwd(x, w, routing, kernel, axis_name, transpose_w, tile):
+def _ag_fwd(x, w, routing, kernel, axis_name, transpose_w, products):
   _plan.refuse_forward_mode(_AG_OP, x, w)  # forward-over-reverse (jax.hessian) lands here
   y, rows = _ag_forward(kernel, x, w, routing.group_sizes, routing.token_index, None, axis_name,
-                        transpose_w, tile)
+                        transpose_w, products)
   # x itself is kept only for its type (varying mesh axes); rows carry the values.
   return y, (x, w, routing, rows)
 
 
-def _ag_bwd(kernel, axis_name, transpose_w, tile, residuals, dy):
+def _ag_bwd(kernel, axis_name, transpose_w, products, residuals, dy):
   x, w, routing, rows = residuals
   dy = dy.astype(x.dtype)
   # dx: dy · w[g]ᵀ per segment, reduce-scattered, each token's top-k rows summed: the
   # partner's forward with unit weights and w read in the other layout.
   ones = jnp.ones(routing.row_index.shape, jnp.float32)
   dx, _ = _rs_forward(kernel, dy, w, routing.group_sizes, routing.row_index, ones, axis_name,
-                      not transpose_w, tile)
-  dw = _weight_grad(kernel, rows, dy, w, routing, transpose_w, tile)
+                      not transpose_w, products)
+  dw = _weight_grad(kernel, rows, dy, w, routing, transpose_w, products)
   return (_common.match_vma(dx.astype(x.dtype), x), _common.match_vma(dw, w),
           _no_cotangent(routing))
 
@@ -256,19 +273,20 @@ _all_gather_grouped_matmul.defvjp(_ag_fwd, _ag_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _grouped_matmul_reduce_scatter(h, w, weights, routing, kernel, axis_name, transpose_w, tile):
+def _grouped_matmul_reduce_scatter(h, w, weights, routing, kernel, axis_name, transpose_w,
+                                   products):
   return _rs_forward(kernel, h, w, routing.group_sizes, routing.row_index, weights, axis_name,
-                     transpose_w, tile)[0]
+                     transpose_w, products)[0]
 
 
-def _rs_fwd(h, w, weights, routing, kernel, axis_name, transpose_w, tile):
+def _rs_fwd(h, w, weights, routing, kernel, axis_name, transpose_w, products):
   _plan.refuse_forward_mode(_RS_OP, h, w, weights)
   z, y_rows = _rs_forward(kernel, h, w, routing.group_sizes, routing.row_index, weights,
-                          axis_name, transpose_w, tile)
+                          axis_name, transpose_w, products)
   return z, (h, w, weights, routing, y_rows)
 
 
-def _rs_bwd(kernel, axis_name, transpose_w, tile, residuals, dz):
+def _rs_bwd(kernel, axis_name, transpose_w, products, residuals, dz):
   h, w, weights, routing, y_rows = residuals
   # dweights[t, k] = dz[t] · y_rows[row_index[t, k]], in float32.
   picked, valid = _pick_rows(y_rows, routing.row_index)
@@ -281,8 +299,8 @@ def _rs_bwd(kernel, axis_name, transpose_w, tile, residuals, dz):
   weights_all = _gather_weights(kernel, weights, axis_name).reshape(tp, -1)
   row_scale = jnp.take_along_axis(weights_all, routing.pair_index, axis=1)
   dh, d_rows = _ag_forward(kernel, dz.astype(h.dtype), w, routing.group_sizes,
-                           routing.token_index, row_scale, axis_name, not transpose_w, tile)
-  dw = _weight_grad(kernel, h, d_rows, w, routing, transpose_w, tile)
+                           routing.token_index, row_scale, axis_name, not transpose_w, products)
+  dw = _weight_grad(kernel, h, d_rows, w, routing, transpose_w, products)
   return (_common.match_vma(dh.astype(h.dtype), h), _common.match_vma(dw, w),
           _common.match_vma(dweights, weights), _no_cotangent(routing))
 
@@ -300,7 +318,7 @@ def _gather_weights(kernel, weights, axis_name):
   return lax.all_gather(weights, axis_name, tiled=True)
 
 
-def _weight_grad(kernel, a, d, w, routing, transpose_w, tile):
+def _weight_grad(kernel, a, d, w, routing, transpose_w, products):
   """dw[g] = Σ over every segment's rows i of expert g: a[i]ᵀ · d[i] (a [tp*s, K], d [tp*s, n]),
   laid out like w: the weight cotangent of one grouped GEMM over the rows in expert-major
   order (rows routed to no expert sort last, past every group)."""
@@ -310,8 +328,10 @@ def _weight_grad(kernel, a, d, w, routing, transpose_w, tile):
 
   def forward(w):
     if kernel == "fused":
-      return _grouped_kernel.grouped_matmul(a, w, sizes.astype(jnp.int32), transpose_w, tile)
-    return grouped_matmul(a, w, sizes, impl="xla", transpose_w=transpose_w)
+      return _grouped_kernel.grouped_matmul(a, w, sizes.astype(jnp.int32), transpose_w,
+                                            products.tile)
+    return grouped_matmul(a, w, sizes, impl="xla", transpose_w=transpose_w,
+                          precision=products.precision)
 
   y, vjp = jax.vjp(forward, w)
   (dw,) = vjp(d.astype(y.dtype))
