@@ -16,7 +16,9 @@
 #                      the tp=1 shape fuzz), ops (the fused ops across two processes: the shape
 #                      fuzz, the MLP, the dead peer, FP8; the training example), matrix and
 #                      matrix_pingpong (the 16-bit shape matrix, GEMM+RS's own-rows schedule as
-#                      chosen and forced to ping-pong), rest (the tests that need two GPUs).
+#                      chosen and forced to ping-pong), tp4 and tp8 (every shared-GPU test but
+#                      the matrix and the fuzz with 4 and 8 processes on one GPU), fuzz_tp4 (the
+#                      shape fuzz at tp=4), rest (the tests that need two GPUs).
 #           PYTEST_K replaces the tier's -k (e.g. GPU_TIERS=ops PYTEST_K=fuzz_across).
 #           gpu_tests_<tier>.xml (JUnit) holds what tests record, e.g. test_fp8_gpu.py's error
 #           per case.
@@ -69,19 +71,23 @@ tier() {  # the pytest selection of a test tier, as arguments
   case $1 in
     quick) TIER_ARGS=(-m "gpu and not slow" tests) ;;
     kernels) TIER_ARGS=("${gpu[@]}" "${kernels[@]}") ;;
-    ops) TIER_ARGS=("${gpu[@]}" "${ops[@]}" -k "not matrix") ;;
+    ops) TIER_ARGS=("${gpu[@]}" "${ops[@]}" -k "not matrix and not tp4 and not tp8") ;;
     matrix) TIER_ARGS=("${gpu[@]}" tests/test_multiprocess_gpu.py -k "matrix and not pingpong") ;;
     matrix_pingpong) TIER_ARGS=("${gpu[@]}" tests/test_multiprocess_gpu.py -k matrix_pingpong) ;;
+    tp4) TIER_ARGS=("${gpu[@]}" tests/test_multiprocess_gpu.py -k "tp4 and not fuzz") ;;
+    tp8) TIER_ARGS=("${gpu[@]}" tests/test_multiprocess_gpu.py -k tp8) ;;
+    fuzz_tp4) TIER_ARGS=("${gpu[@]}" tests/test_multiprocess_gpu.py -k "fuzz and tp4") ;;
     rest) TIER_ARGS=("${gpu[@]}" tests)
           for f in "${kernels[@]}" "${ops[@]}"; do TIER_ARGS+=("--ignore=$f"); done ;;
-    *) echo "unknown test tier $1 (quick, full, kernels, ops, matrix, matrix_pingpong, rest)"
+    *) echo "unknown test tier $1 (quick, full, kernels, ops, matrix, matrix_pingpong, tp4, tp8,"\
+            "fuzz_tp4, rest)"
        return 1 ;;
   esac
 }
 
 if stage tests; then
   tiers=${GPU_TIERS:-quick}
-  tiers=${tiers/full/kernels ops matrix matrix_pingpong rest}
+  tiers=${tiers/full/kernels ops matrix matrix_pingpong tp4 tp8 fuzz_tp4 rest}
   for t in $tiers; do
     tier "$t" || { status=1; continue; }
     s=$(date +%s)

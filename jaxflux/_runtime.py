@@ -7,6 +7,7 @@ the ops run their pure-JAX reference path.
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import functools
 import itertools
@@ -225,6 +226,7 @@ class HostSlots:
   total: int                 # GPUs on this host, all processes together
   host_of_process: dict      # process index -> host index
   first_slot_of_process: dict  # process index -> host slot of its first (lowest-ordinal) GPU
+  ranks_per_gpu: int = 1     # the most processes driving one GPU, job-wide (ranks_per_gpu())
 
   def slot_word(self, device) -> int:
     """host << 8 | host slot of any GPU of the job (what jaxflux_device_slot writes on it)."""
@@ -255,6 +257,21 @@ def assign_host_slots(records: dict) -> tuple[dict, dict, dict]:
     first[pid] = total[host_of[pid]]
     total[host_of[pid]] += records[pid][1]
   return host_of, first, total
+
+
+def most_processes_on_one_gpu(records: dict) -> int:
+  """The most processes that drive one GPU (host identity, CUDA ordinal), from every process's
+  host record (identity, GPU count, ordinals): 1 with one process per GPU."""
+  counts = collections.Counter((r[0], o) for r in records.values() for o in r[2])
+  return max(counts.values(), default=1)
+
+
+def ranks_per_gpu() -> int:
+  """1, unless processes of this job share a GPU (as the shared-GPU tests run 2-8 ranks on one):
+  then the most processes driving one GPU. Every process gets the same answer."""
+  if not multi_process():
+    return 1
+  return host_slots().ranks_per_gpu
 
 
 def _host_identity() -> str:
@@ -319,7 +336,7 @@ def _ensure_host_slots() -> HostSlots:
     return _host_slots
   client, me = _kv(), jax.process_index()
   ordinals = sorted(d.local_hardware_id for d in _gpu_devices())
-  mine = json.dumps([_host_identity(), len(ordinals)])
+  mine = json.dumps([_host_identity(), len(ordinals), ordinals])
   records = {pid: tuple(json.loads(text))
              for pid, text in _every_process(client, "hosts", mine, "host record").items()}
   host_of_process, first, totals = assign_host_slots(records)
@@ -331,7 +348,8 @@ def _ensure_host_slots() -> HostSlots:
   for ordinal, slot in slots.items():
     _ext.set_slot(ordinal, slot)
   _ext.set_host_index(host)
-  _host_slots = HostSlots(host, slots, totals[host], host_of_process, first)
+  _host_slots = HostSlots(host, slots, totals[host], host_of_process, first,
+                          most_processes_on_one_gpu(records))
   return _host_slots
 
 

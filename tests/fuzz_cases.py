@@ -56,7 +56,9 @@ import numpy as np
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 SHORT = {"all_gather_matmul": "ag", "matmul_reduce_scatter": "rs", "matmul_all_reduce": "ar"}
 DEFAULT_SEED = 20250611
-CASES_PER_OP = 150
+CASES_PER_OP = 150  # at tp=2
+# At tp 4 and 8 (cases_per_op): the ranks take turns on one GPU, so a case costs about tp/2 more.
+CASES_PER_OP_MORE_RANKS = 100
 TILE_ROWS = 128  # jaxflux.tuning.TILE_ROWS: the kernels' row tile (a test keeps them equal)
 # The largest GEMM a case runs (rows * K * N on one rank) and the most elements of all ranks'
 # x, w and output together: each case is a fresh compile, so the fuzz lives on many small cases.
@@ -283,12 +285,18 @@ def select(cases: list, spec: str | None) -> list:
   return [c for c in cases if (c.op, c.index) in keep]
 
 
-def from_env(tp: int, environ=None, per_op: int = CASES_PER_OP) -> tuple:
+def cases_per_op(tp: int) -> int:
+  """The shared-GPU fuzz's cases per op at tp ranks."""
+  return CASES_PER_OP if tp <= 2 else CASES_PER_OP_MORE_RANKS
+
+
+def from_env(tp: int, environ=None, per_op: int | None = None) -> tuple:
   """(seed, cases) as JAXFLUX_FUZZ_SEED and JAXFLUX_FUZZ_CASES set them (defaults: DEFAULT_SEED,
-  every case). JAXFLUX_FUZZ_FORCE_CHOICES=0 runs every case with the table's kernel choices
+  every case of cases_per_op(tp) per op). JAXFLUX_FUZZ_FORCE_CHOICES=0 runs every case with the table's kernel choices
   (whether a failing case with forced choices fails with the table's too)."""
   environ = os.environ if environ is None else environ
   seed = int(environ.get("JAXFLUX_FUZZ_SEED") or DEFAULT_SEED)
+  per_op = cases_per_op(tp) if per_op is None else per_op
   cases = select(draw_cases(seed, tp, per_op), environ.get("JAXFLUX_FUZZ_CASES"))
   if environ.get("JAXFLUX_FUZZ_FORCE_CHOICES") == "0":
     cases = [dataclasses.replace(c, tuning=()) for c in cases]

@@ -47,20 +47,21 @@ processes' GPUs:
     dx, dw1, dw2, d(weights)); 20 back-to-back calls; every compiled program holds both fused
     custom calls and no XLA all-gather / reduce-scatter;
   MODE=die: one call of each fused op (and the all-gather, and GEMM+RS with either reduction:
-    every kind of wait in the kernels), then process 1 exits at once and process 0 calls each
-    again: each must fail with jaxflux's timeout error naming its op, instead of hanging.
+    every kind of wait in the kernels), then process 1 exits at once and every other process
+    calls each again: each must fail with jaxflux's timeout error naming its op and rank,
+    instead of hanging.
 Prints `PASS <case>` per case and, last, `WORKER OK <process id>`.
 
-With `shared`, every process drives GPU 0: the ranks then share one GPU, their kernels
-time-sliced, and CUDA IPC maps memory of the same device from another process. That runs the
+With `shared`, every process (2, 4 or 8 of them) drives GPU 0: the ranks then share one GPU,
+their kernels time-sliced, and CUDA IPC maps memory of the same device from another process. That runs the
 fused ops' cross-rank protocol (pushes, flags, waits) on a one-GPU machine: correctness only
 (the ranks' kernels take turns, so times mean nothing), and no XLA collective can run (NCCL
 refuses two ranks on one GPU), so MODE=check skips its in-program all-gather case there. A
-push between the ranks is then a copy within one device, which runs as a kernel, so the GEMMs
-are given fewer SMs than the GPU has (grid_sms=100 for every op, through
-jaxflux.tuning.override): one holding every SM while it spins on a peer's push would starve
-that push (it did in a matrix run without the cap, on the chunked all-gather of
-rows/rank=8192).
+push between the ranks is then a copy within one device, which runs as a kernel, so the
+runtime gives the fused GEMMs fewer SMs than the GPU has when ranks share it
+(jaxflux/ops/_config.py, SHARED_GPU_FREE_SMS): one holding every SM while it spins on a peer's
+push would starve that push (it did in a matrix run without the cap, on the chunked all-gather
+of rows/rank=8192). MODE=check prints `RANKS PER GPU <n>`, what the runtime found.
 """
 import contextlib
 import hashlib
@@ -95,11 +96,6 @@ from jaxflux.ops import _fused, all_gather  # noqa: E402
 
 # Every jaxflux call of this process is traced inside these overrides.
 _overrides = contextlib.ExitStack()
-if SHARED_GPU:
-  # A peer's push is then a copy within one device, which runs as a kernel: leave it SMs that
-  # this rank's GEMM, spinning on that push, does not hold.
-  for _op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
-    _overrides.enter_context(tuning.override(_op, grid_sms=100))
 if SCHEDULE:
   _overrides.enter_context(tuning.override("matmul_reduce_scatter", own_rows_schedule=SCHEDULE))
 
@@ -718,8 +714,9 @@ DIE_CASES = ("all_gather_matmul (the GEMM's tile wait)",
 
 
 def run_die():
-  """Every case of DIE_CASES once with both ranks alive (compiled, workspace sized), then process
-  1 exits and process 0 runs each again: each must fail with its op's timeout, not hang."""
+  """Every case of DIE_CASES once with every rank alive (compiled, workspace sized), then process
+  1 exits and the others run each again: each must fail with its op's timeout naming the
+  process's rank, not hang."""
   jaxflux.configure(timeout_s=5.0)
   x, w = operands(5, 128 * tp, 256, 128 * tp)
   ag_args = (bf16(x, P("tp", None)), bf16(w, P(None, "tp")))
@@ -765,7 +762,7 @@ def run_die():
       _runtime.check_errors()
       failures.append(f"{case}: the call with a dead peer did not fail")
     except RuntimeError as e:
-      if f"jaxflux {op}: rank 0" in str(e) and "timed out" in str(e):
+      if f"jaxflux {op}: rank {PROCESS_ID}" in str(e) and "timed out" in str(e):
         print(f"PASS dead peer, {case}: {str(e)[:160]}", flush=True)
       else:
         failures.append(f"{case}: unexpected error: {e}")
@@ -793,6 +790,7 @@ def print_choices():
 
 if MODE == "check":
   print_choices()
+  print(f"RANKS PER GPU {_runtime.ranks_per_gpu()}", flush=True)
   with jax.set_mesh(mesh):
     run_check()
   if not SHARED_GPU:  # its all-gather is an XLA collective: NCCL takes one rank per GPU

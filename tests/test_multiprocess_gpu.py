@@ -2,11 +2,12 @@
 values, back-to-back calls and gradients against float32 NumPy, and a peer that dies mid-run.
 Skipped unless jaxflux.has_cuda() and at least 2 GPUs. See tests/multiprocess_gpu_worker.py.
 
-The same with both processes on one GPU (`shared`): the ranks' kernels take turns on it, which
-runs the fused ops' whole cross-rank protocol (IPC-mapped workspace, pushes, flags, bounded
-waits) on a one-GPU machine, so a change to the fused kernels can be checked for correctness
-without two GPUs. Those tests need one GPU; they say nothing of speed. Among them: a random
-fuzz of all three fused ops (tests/fuzz_cases.py), the tensor-parallel MLP's forward and
+The same with tp = 2, 4 or 8 processes on one GPU (`shared`): the ranks' kernels take turns on
+it, which runs the fused ops' whole cross-rank protocol (IPC-mapped workspace, pushes, flags,
+bounded waits) on a one-GPU machine, so a change to the fused kernels can be checked for
+correctness without several GPUs. Those tests need one GPU; they say nothing of speed. tp=2 is
+in the quick tier, tp 4 and 8 in the full tier's tp4 and tp8 chunks (`ranks`). Among them: a
+random fuzz of all three fused ops (tests/fuzz_cases.py), the tensor-parallel MLP's forward and
 backward in one program, and the same for the MoE ops' expert MLP."""
 import importlib.util
 import os
@@ -47,45 +48,74 @@ def one_gpu_launcher():
   return _load_launcher(1)
 
 
-def _run(launcher, tmp_path, mode, timeout, shared=False):
+def _run(launcher, tmp_path, mode, timeout, shared=False, tp=2):
+  """Runs the worker's `mode` in `tp` processes (one GPU each, or all on GPU 0 with `shared`)."""
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",  # this process holds the GPUs too
              PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
   port = str(launcher.free_port())  # one coordinator port for the whole group
-  commands = [[sys.executable, str(WORKER), port, "2", str(i), mode] + (["shared"] if shared else [])
-              for i in range(2)]
+  commands = [[sys.executable, str(WORKER), port, str(tp), str(i), mode]
+              + (["shared"] if shared else []) for i in range(tp)]
   return run_group(launcher, commands, tmp_path, timeout, env=env, grace=30,
-                   name=mode + ("_shared" if shared else ""))
+                   name=f"{mode}_tp{tp}" + ("_shared" if shared else ""))
+
+
+def ranks(quick=(2,), slow=(4, 8)):
+  """Parametrizes a shared-GPU test over its group sizes `tp`: `quick` ones in the quick tier,
+  `slow` ones in the full tier only (its tp4 and tp8 chunks). Four or eight processes on one GPU
+  take turns on it, so a test's time grows about with tp."""
+  return pytest.mark.parametrize("tp", [pytest.param(t, id=f"tp{t}") for t in quick] + [
+      pytest.param(t, id=f"tp{t}", marks=pytest.mark.slow) for t in slow])
+
+
+def _scaled(seconds_at_tp2: int, tp: int) -> int:
+  """A shared-GPU group's time limit: the ranks take turns, so it grows with tp, up to the 9
+  minutes a device call leaves a test tier."""
+  return min(540, seconds_at_tp2 * tp // 2)
+
+
+def _all_exited_cleanly(results):
+  return [code for code, _ in results] == [0] * len(results)
 
 
 def test_fused_ops_across_two_processes(launcher, tmp_path):
   results = _run(launcher, tmp_path, "check", timeout=180)
-  assert [code for code, _ in results] == [0, 0], describe(results)
+  assert _all_exited_cleanly(results), describe(results)
   for i, (_, out) in enumerate(results):
     assert f"WORKER OK {i}" in out, describe(results)
     for case in ("all_gather_matmul value", "matmul_reduce_scatter value", "gradient x",
                  "gradient w", "all_gather_matmul value, slots gathered in the program"):
       assert f"PASS {case}\n" in out, describe(results)
     assert out.count("PASS back-to-back call") == 12, describe(results)
+    assert "RANKS PER GPU 1\n" in out, describe(results)
 
 
 def _assert_every_wait_timed_out(results):
-  """The survivor's six cases (the worker's DIE_CASES: each kind of wait) each timed out."""
-  assert results[0][0] == 0 and "WORKER OK 0" in results[0][1], describe(results)
-  assert results[0][1].count("PASS dead peer, ") == 6, describe(results)
+  """Process 1 died; each survivor's six cases (the worker's DIE_CASES: each kind of wait) each
+  timed out."""
+  for i, (code, out) in enumerate(results):
+    if i != 1:
+      assert code == 0 and f"WORKER OK {i}" in out, describe(results)
+      assert out.count("PASS dead peer, ") == 6, describe(results)
 
 
 def test_a_dead_peer_fails_the_survivor_within_the_timeout(launcher, tmp_path):
   _assert_every_wait_timed_out(_run(launcher, tmp_path, "die", timeout=120))
 
 
-def test_fused_ops_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path):
-  results = _run(one_gpu_launcher, tmp_path, "check", timeout=180, shared=True)
-  assert [code for code, _ in results] == [0, 0], describe(results)
-  # Both ranks read the same device tables and make the same kernel choices.
-  tuning_lines = [re.findall(r"^TUNING [0-9a-f]{16} [0-9a-f]{64}$", out, re.M) for _, out in results]
-  assert len(tuning_lines[0]) == 1 and tuning_lines[0] == tuning_lines[1], describe(results)
+@ranks()
+def test_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
+  results = _run(one_gpu_launcher, tmp_path, "check", timeout=_scaled(180, tp),
+                 shared=True, tp=tp)
+  assert _all_exited_cleanly(results), describe(results)
+  # Every rank reads the same device tables and makes the same kernel choices.
+  tuning_lines = [re.findall(r"^TUNING [0-9a-f]{16} [0-9a-f]{64}$", out, re.M)
+                  for _, out in results]
+  assert len(tuning_lines[0]) == 1, describe(results)
+  assert all(t == tuning_lines[0] for t in tuning_lines), describe(results)
   for i, (_, out) in enumerate(results):
     assert f"WORKER OK {i}" in out, describe(results)
+    # the runtime sees the ranks share the GPU, so its fused GEMMs leave SMs to each other
+    assert f"RANKS PER GPU {tp}\n" in out, describe(results)
     for case in ("all_gather_matmul value", "matmul_reduce_scatter value", "gradient x",
                  "gradient w"):
       assert f"PASS {case}\n" in out, describe(results)
@@ -94,30 +124,35 @@ def test_fused_ops_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["matrix", "matrix_pingpong"])
-def test_fused_op_matrix_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path, mode):
+@ranks(slow=())
+def test_fused_op_matrix_sharing_one_gpu(one_gpu_launcher, tmp_path, mode, tp):
   """Every benchmark shape at M=1024, odd shapes, batch dims, fp16 and both ops' gradients;
   GEMM+RS's own rows under its own choice of schedule (cooperative), then forced ping-pong."""
-  results = _run(one_gpu_launcher, tmp_path, mode, timeout=300, shared=True)
-  assert [code for code, _ in results] == [0, 0], describe(results)
+  results = _run(one_gpu_launcher, tmp_path, mode, timeout=_scaled(300, tp),
+                 shared=True, tp=tp)
+  assert _all_exited_cleanly(results), describe(results)
   for i, (_, out) in enumerate(results):
     assert f"WORKER OK {i}" in out and "FAIL" not in out, describe(results)
     assert out.count("PASS ag ") == 18 and out.count("PASS rs ") == 19, describe(results)
 
 
-def test_matmul_all_reduce_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path):
+@ranks()
+def test_matmul_all_reduce_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
   """GEMM+AllReduce against float32 NumPy in both processes, and both processes' copies of each
   output the same bits (the worker prints a digest of its copy per case)."""
-  results = _run(one_gpu_launcher, tmp_path, "all_reduce", timeout=300, shared=True)
-  assert [code for code, _ in results] == [0, 0], describe(results)
+  results = _run(one_gpu_launcher, tmp_path, "all_reduce", timeout=_scaled(300, tp),
+                 shared=True, tp=tp)
+  assert _all_exited_cleanly(results), describe(results)
   for i, (_, out) in enumerate(results):
     assert f"WORKER OK {i}" in out and "FAIL" not in out, describe(results)
     # 5 row cases, 8 odd/batched/fp16 ones, the gradient case's 3 checks, 8 back-to-back calls
     assert out.count("PASS ar ") == 24, describe(results)
   digests = [re.findall(r"^DIGEST (.+) ([0-9a-f]{64})$", out, re.M) for _, out in results]
-  assert len(digests[0]) == 14 and digests[0] == digests[1], describe(results)
+  assert len(digests[0]) == 14 and all(d == digests[0] for d in digests), describe(results)
 
 
-def test_fp8_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path):
+@ranks()
+def test_fp8_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
   """FP8 all_gather_matmul, matmul_reduce_scatter and matmul_all_reduce, impl="fused": x e4m3 or
   e5m2 with an e4m3 weight given [n, K] (transpose_w=True), per-tensor scales that differ
   between the ranks and row-wise ones, odd shapes (matmul_all_reduce: M of 1, 3, 17, 100) and
@@ -125,8 +160,9 @@ def test_fp8_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path):
   FP8 values bit for bit; every compiled program the fused custom call and no XLA all-gather /
   reduce-scatter (nor all-reduce for matmul_all_reduce); both processes' copies of each
   matmul_all_reduce output the same bits."""
-  results = _run(one_gpu_launcher, tmp_path, "fp8", timeout=420, shared=True)
-  assert [code for code, _ in results] == [0, 0], describe(results)
+  results = _run(one_gpu_launcher, tmp_path, "fp8", timeout=_scaled(420, tp),
+                 shared=True, tp=tp)
+  assert _all_exited_cleanly(results), describe(results)
   for i, (_, out) in enumerate(results):
     assert f"WORKER OK {i}" in out and "FAIL" not in out, describe(results)
     # 2 formats x 2 scale kinds x 3 shapes: ag value, x_full, HLO; rs value, HLO
@@ -134,33 +170,38 @@ def test_fp8_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path):
     # 2 formats x 2 scale kinds x 5 shapes: ar value, HLO
     assert out.count("PASS fp8 ar ") == 40, describe(results)
   digests = [re.findall(r"^DIGEST (fp8 ar .+) ([0-9a-f]{64})$", out, re.M) for _, out in results]
-  assert len(digests[0]) == 20 and digests[0] == digests[1], describe(results)
+  assert len(digests[0]) == 20 and all(d == digests[0] for d in digests), describe(results)
 
 
 # The quick tier runs bf16 (the two dtypes took 43 s on one H100,
 # benchmarks/results/h100_gpu_test_durations.json); the full tier both.
-@pytest.mark.parametrize("dtypes", [pytest.param(1, id="bfloat16"),
-                                    pytest.param(2, id="bfloat16-float16",
-                                                 marks=pytest.mark.slow)])
-def test_moe_ops_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path, dtypes):
+@pytest.mark.parametrize("tp, dtypes", [
+    pytest.param(2, 1, id="tp2-bfloat16"),
+    pytest.param(2, 2, id="tp2-bfloat16-float16", marks=pytest.mark.slow),
+    pytest.param(4, 1, id="tp4-bfloat16", marks=pytest.mark.slow),
+    pytest.param(8, 1, id="tp8-bfloat16", marks=pytest.mark.slow)])
+def test_moe_ops_sharing_one_gpu(one_gpu_launcher, tmp_path, tp, dtypes):
   """The fused MoE ops as one expert MLP, forward and backward, against a dense float32
   reference of the global data (the worker's MODE=moe, or moe_bfloat16)."""
   mode = "moe" if dtypes == 2 else "moe_bfloat16"
-  results = _run(one_gpu_launcher, tmp_path, mode, timeout=300, shared=True)
-  assert [code for code, _ in results] == [0, 0], describe(results)
+  results = _run(one_gpu_launcher, tmp_path, mode, timeout=_scaled(300, tp),
+                 shared=True, tp=tp)
+  assert _all_exited_cleanly(results), describe(results)
   for i, (_, out) in enumerate(results):
     assert f"WORKER OK {i}" in out and "FAIL" not in out, describe(results)
     # dtypes x 4 cases x (hlo + 6 outputs), and 4 back-to-back checks per dtype
     assert out.count("PASS moe ") == dtypes * 4 * 7 + dtypes * 4, describe(results)
 
 
-def test_moe_layer_on_the_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path):
+@ranks()
+def test_moe_layer_on_the_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
   """jaxflux.MoE with the experts' intermediate dimension and the tokens over 'tp' runs the fused
   MoE ops with no XLA collective, forward and backward (the router's kernel held fixed: its
   gradient is an all-reduce), against a dense float32 reference (the worker's MODE=moe_layer:
   top-1, 2 and 8, swiglu and gelu, empty experts)."""
-  results = _run(one_gpu_launcher, tmp_path, "moe_layer", timeout=300, shared=True)
-  assert [code for code, _ in results] == [0, 0], describe(results)
+  results = _run(one_gpu_launcher, tmp_path, "moe_layer", timeout=_scaled(300, tp),
+                 shared=True, tp=tp)
+  assert _all_exited_cleanly(results), describe(results)
   for i, (_, out) in enumerate(results):
     assert f"WORKER OK {i}" in out and "FAIL" not in out, describe(results)
     # per case: the HLO, y, dx and each expert kernel (swiglu 3, gelu 2)
@@ -168,23 +209,27 @@ def test_moe_layer_on_the_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path):
 
 
 @pytest.mark.slow  # the full tier's ops chunk: 33 s on one H100
-def test_a_dead_peer_sharing_one_gpu_fails_the_survivor(one_gpu_launcher, tmp_path):
-  _assert_every_wait_timed_out(_run(one_gpu_launcher, tmp_path, "die", timeout=120, shared=True))
+@ranks()
+def test_a_dead_peer_sharing_one_gpu_fails_the_survivors(one_gpu_launcher, tmp_path, tp):
+  _assert_every_wait_timed_out(
+      _run(one_gpu_launcher, tmp_path, "die", timeout=_scaled(120, tp), shared=True,
+           tp=tp))
 
 
 @pytest.mark.slow
-def test_fuzz_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path):
-  """tests/fuzz_cases.py's random cases of all three fused ops (450 at the default seed, each a
-  fresh compile; JAXFLUX_FUZZ_SEED and JAXFLUX_FUZZ_CASES pass through to the workers), every
+@ranks(slow=(4,))
+def test_fuzz_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
+  """tests/fuzz_cases.py's random cases of all three fused ops (150 per op at tp=2, 100 at tp=4,
+  each a fresh compile; JAXFLUX_FUZZ_SEED and JAXFLUX_FUZZ_CASES pass through to the workers), every
   element of each rank's output against the float64 reference. A failure lists every failed
   case with the environment that replays it."""
-  seed, cases = fuzz_cases.from_env(tp=2)
-  results = _run(one_gpu_launcher, tmp_path, "fuzz", timeout=420, shared=True)
+  seed, cases = fuzz_cases.from_env(tp=tp)
+  results = _run(one_gpu_launcher, tmp_path, "fuzz", timeout=540, shared=True, tp=tp)
   where = f"fuzz seed {seed}\n{describe(results)}"
   fails = "\n".join(line for _, out in results for line in out.splitlines()
                     if line.startswith("FAIL "))
   assert not fails, f"fuzz seed {seed}, failed cases:\n{fails}\n{where}"
-  assert [code for code, _ in results] == [0, 0], where
+  assert _all_exited_cleanly(results), where
   for i, (_, out) in enumerate(results):
     assert f"FUZZ SEED {seed} CASES {len(cases)}\n" in out, where
     assert f"WORKER OK {i}" in out, where
@@ -192,12 +237,14 @@ def test_fuzz_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path):
 
 
 @pytest.mark.slow  # the full tier's ops chunk
-def test_fused_mlp_across_two_processes_sharing_one_gpu(one_gpu_launcher, tmp_path):
+@ranks()
+def test_fused_mlp_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
   """Column-parallel all_gather_matmul, GELU, row-parallel matmul_reduce_scatter with
   impl="fused", forward and backward (jax.vjp) in one program, bf16 and fp16 at five shapes
   (odd rows, one row, batch dims), against float64 NumPy: z, dx, dw1, dw2 on each rank."""
-  results = _run(one_gpu_launcher, tmp_path, "mlp", timeout=150, shared=True)
-  assert [code for code, _ in results] == [0, 0], describe(results)
+  results = _run(one_gpu_launcher, tmp_path, "mlp", timeout=_scaled(150, tp),
+                 shared=True, tp=tp)
+  assert _all_exited_cleanly(results), describe(results)
   for i, (_, out) in enumerate(results):
     assert f"WORKER OK {i}" in out and "FAIL" not in out, describe(results)
     assert out.count("PASS mlp ") == 2 * len(fuzz_cases.MLP_SHAPES) * 4, describe(results)

@@ -70,7 +70,7 @@ def process1_of_2(monkeypatch):
   aside, JAX may hand a process any ordinal); process 0 has already published."""
   import jax
   import json
-  kv = FakeKV({"jaxflux/hosts/0": json.dumps([_runtime._host_identity(), 1])})
+  kv = FakeKV({"jaxflux/hosts/0": json.dumps([_runtime._host_identity(), 1, [0]])})
   ext = FakeExt()
   monkeypatch.setattr(jax, "process_index", lambda: 1)
   monkeypatch.setattr(jax, "process_count", lambda: 2)
@@ -89,6 +89,50 @@ def test_host_slots_are_agreed_through_the_store(process1_of_2):
   assert ext.slots == {3: 1} and ext.host == 0
   assert "jaxflux/hosts/1" in kv.store
   assert _runtime.host_slots() is hs  # agreed once
+
+
+@pytest.mark.parametrize("records, most", [
+    ({0: ("a", 1, [0]), 1: ("a", 1, [1])}, 1),             # one process per GPU
+    ({0: ("a", 1, [0]), 1: ("b", 1, [0])}, 1),             # ordinal 0 of two hosts
+    ({p: ("a", 1, [0]) for p in range(4)}, 4),             # four ranks on one GPU
+    ({0: ("a", 2, [0, 1]), 1: ("a", 1, [1]), 2: ("b", 1, [1])}, 2),
+])
+def test_most_processes_on_one_gpu(records, most):
+  assert _runtime.most_processes_on_one_gpu(records) == most
+
+
+def test_ranks_sharing_a_gpu_are_agreed_through_the_store(process1_of_2):
+  import json
+  kv, _ = process1_of_2
+  assert _runtime.ranks_per_gpu() == 1  # process 0 drives ordinal 0, this one ordinal 3
+  _runtime._host_slots = None
+  del kv.store["jaxflux/hosts/1"]
+  kv.store["jaxflux/hosts/0"] = json.dumps([_runtime._host_identity(), 1, [3]])
+  assert _runtime.ranks_per_gpu() == 2
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter",
+                                "matmul_all_reduce"])
+def test_ranks_sharing_a_gpu_leave_sms_to_each_other(monkeypatch, op):
+  """Where processes share a GPU, every fused GEMM's grid leaves SHARED_GPU_FREE_SMS SMs free
+  (a smaller grid a table or override asks for stays); tp=1 and one rank per GPU keep theirs."""
+  import jax
+  import jax.numpy as jnp
+  from jaxflux.ops import _config
+  x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+  choose = lambda tp: _config.choose(op, x, w, tp=tp, transpose_w=False,  # noqa: E731
+                                     out_dtype=jnp.bfloat16).choice.grid_sms
+  monkeypatch.setattr(_runtime, "sm_count", lambda: 132)
+  monkeypatch.setattr(_runtime, "ranks_per_gpu", lambda: 1)
+  alone = choose(2)
+  monkeypatch.setattr(_runtime, "ranks_per_gpu", lambda: 4)
+  assert choose(2) == 132 - _config.SHARED_GPU_FREE_SMS and alone in (0, 132)
+  with tuning.override(op, grid_sms=64):
+    assert choose(2) == 64
+  with tuning.override(op, grid_sms=120):
+    assert choose(2) == 100
+  assert choose(1) == 0
 
 
 def test_published_values_are_agreed_once_through_the_store(process1_of_2, monkeypatch):
