@@ -45,6 +45,20 @@ def max_ranks() -> int | None:
 
 
 @functools.cache
+def attribute_names() -> dict:
+  """The kernels' enum attributes ("ag_tile", "gemm_tile", "own_rows_schedule",
+  "grouped_tile"), each a tuple of names in value order: the native module's, from
+  xla_ffi/ffi/attribute_names.h. {} without the extension."""
+  return {} if _ext is None else {k: tuple(v) for k, v in _ext.attribute_names.items()}
+
+
+def slot_word(host: int, slot: int) -> int:
+  """The int32 naming host slot `slot` of host `host` in a rank operand (the native module's
+  encoding, xla_ffi/runtime/runtime.h)."""
+  return int(_ext.slot_word(host, slot))
+
+
+@functools.cache
 def _gpu_devices() -> tuple:
   try:
     # Local only: under jax.distributed, jax.devices() also lists other processes' GPUs.
@@ -93,9 +107,10 @@ def grouped_gemm_workspace_bytes(dtype, m: int, n: int, k: int, groups: int, att
 
 
 def host_executions() -> dict:
-  """Times the host ran the execute stage of each command-buffer-compatible target
-  (jaxflux_gemm, jaxflux_grouped_gemm) in this process. A call XLA captured into a command
-  buffer runs on the host only when recorded, not when its graph is replayed."""
+  """Times the host ran the execute stage of the tp=1 targets (jaxflux_gemm,
+  jaxflux_grouped_gemm) in this process. A call XLA captured into a command buffer would run on
+  the host only when recorded, not when its graph is replayed (they are not declared
+  compatible: docs/design.md, "Command buffers")."""
   return dict(_ext.host_executions()) if cuda_built() else {}
 
 
@@ -229,14 +244,14 @@ class HostSlots:
   ranks_per_gpu: int = 1     # the most processes driving one GPU, job-wide (ranks_per_gpu())
 
   def slot_word(self, device) -> int:
-    """host << 8 | host slot of any GPU of the job (what jaxflux_device_slot writes on it)."""
+    """The slot word of any GPU of the job (what jaxflux_device_slot writes on it)."""
     p = device.process_index
     # A process's GPUs take its slots in CUDA ordinal order (_ensure_host_slots); with one GPU
     # per process (the supported layout) the order is moot.
     order = lambda d: (d.local_hardware_id is None, d.local_hardware_id or 0, d.id)  # noqa: E731
     peers = sorted((d for d in jax.devices() if d.process_index == p), key=order)
-    return self.host_of_process[p] << 8 | (self.first_slot_of_process[p] +
-                                           [d.id for d in peers].index(device.id))
+    return slot_word(self.host_of_process[p],
+                     self.first_slot_of_process[p] + [d.id for d in peers].index(device.id))
 
 
 _host_slots: HostSlots | None = None

@@ -278,7 +278,7 @@ def test_peers_and_channel_from_slot_words(native):
   """GPU ordinal 0 of this process is host slot 5 on host 2; its group is slots 3 and 5."""
   native.set_slot(0, 5)
   native.set_host_index(2)
-  words = [2 << 8 | 3, 2 << 8 | 5]
+  words = [native.slot_word(2, 3), native.slot_word(2, 5)]
   rank, group, channel, slot, *peers = native._group_from_slot_words(0, words, 1, 0)
   assert (rank, group, slot, peers) == (1, 0, 5, [3, 5])
   assert channel == (1 << 3) | (1 << 5)  # the slot set's bitmask: alike in every process
@@ -286,14 +286,26 @@ def test_peers_and_channel_from_slot_words(native):
   assert native._group_from_slot_words(0, words[::-1], 0, 0)[2] == channel
 
 
-@pytest.mark.parametrize("words, rank, match", [
-    ([2 << 8 | 3, 1 << 8 | 5], 1, r"rank 1 of the tp group of GPU 0 is on host 1, this GPU on "
-                                  r"host 2: the fused ops need the tp axis inside one host"),
-    ([2 << 8 | 3, 2 << 8 | 4], 1, r"GPU 0 is host slot 5 but its group names slot 4 at its rank 1"),
-    ([2 << 8 | 5, 2 << 8 | 5], 1, r"names host slot 5 twice"),
+@pytest.mark.parametrize("gpus, rank, match", [  # gpus: (host, slot) of each rank
+    ([(2, 3), (1, 5)], 1, r"rank 1 of the tp group of GPU 0 is on host 1, this GPU on "
+                          r"host 2: the fused ops need the tp axis inside one host"),
+    ([(2, 3), (2, 4)], 1, r"GPU 0 is host slot 5 but its group names slot 4 at its rank 1"),
+    ([(2, 5), (2, 5)], 1, r"names host slot 5 twice"),
 ])
-def test_bad_slot_words_are_rejected(native, words, rank, match):
+def test_bad_slot_words_are_rejected(native, gpus, rank, match):
   native.set_slot(0, 5)
   native.set_host_index(2)
   with pytest.raises(RuntimeError, match=match):
-    native._group_from_slot_words(0, words, rank, 0)
+    native._group_from_slot_words(0, [native.slot_word(*gpu) for gpu in gpus], rank, 0)
+
+
+def test_slot_words_are_the_native_modules():
+  """The rank operand's slot words come from the module (both builds): one int32 per (host,
+  slot), distinct and non-negative, and a pair that does not fit is refused by name."""
+  words = {(host, slot): _runtime.slot_word(host, slot)
+           for host in (0, 1, 5, (1 << 22) - 1) for slot in (0, 7, 255)}
+  assert len(set(words.values())) == len(words)
+  assert all(0 <= w < 2 ** 31 for w in words.values())
+  for host, slot in ((0, 256), (0, -1), (1 << 22, 0), (-1, 0)):
+    with pytest.raises(ValueError, match=f"host {host}, slot {slot} do not fit a slot word"):
+      _runtime.slot_word(host, slot)

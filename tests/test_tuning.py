@@ -400,3 +400,18 @@ def test_grouped_tile_choice_is_the_evidence_winner():
   for other in tuning.GROUPED_TILES:
     ratios = [row["ms"][f"fused_{other}"] / row["ms"][f"fused_{chosen}"] for row in rows]
     assert math.exp(sum(map(math.log, ratios)) / len(ratios)) >= 1.0, other
+
+
+def test_the_kernels_enum_attributes_are_named_by_the_native_module():
+  """The choices' names are the module's (xla_ffi/ffi/attribute_names.h), and a choice is
+  encoded by its index there: a kernel added on one side only fails here, not on a GPU."""
+  from jaxflux import _runtime
+  assert _runtime.attribute_names() == {
+      "ag_tile": tuning.AG_TILES, "gemm_tile": tuning.AR_TILES,
+      "own_rows_schedule": tuning.OWN_ROWS_SCHEDULES, "grouped_tile": tuning.GROUPED_TILES}
+  for attribute, names in _runtime.attribute_names().items():
+    assert [_attributes.encode(attribute, name) for name in names] == list(range(len(names)))
+  with pytest.raises(ValueError, match=r"no ag_tile 'pingpong_64x64'.*one of \('cooperative"):
+    _attributes.encode("ag_tile", "pingpong_64x64")
+  with pytest.raises(RuntimeError, match=r"names no 'swizzle' attribute"):
+    _attributes.encode("swizzle", "2")

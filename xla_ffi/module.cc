@@ -9,6 +9,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #ifdef JAXFLUX_WITH_CUDA
@@ -24,7 +25,9 @@
 #include "xla_ffi/ffi/moe_gemm.h"
 #include "xla_ffi/ffi/rank_state_type.h"
 #endif
-#include "xla_ffi/runtime/runtime.h"  // plain C++: its limits are the FFI contract in both builds
+// Plain C++: the FFI contract (attribute names, limits, slot words) is the same in both builds.
+#include "xla_ffi/ffi/attribute_names.h"
+#include "xla_ffi/runtime/runtime.h"
 
 namespace nb = nanobind;
 
@@ -72,6 +75,32 @@ NB_MODULE(_jaxflux, m) {
 #endif
   // The group-size cap every cross-process handler checks; Python refuses larger groups with it.
   m.attr("max_ranks") = jaxflux::kMaxRanks;
+  // The kernels' enum attributes by name, each in value order (attribute_names.h).
+  {
+    auto names = [](const auto& array) {
+      nb::list out;
+      for (std::string_view name : array) out.append(nb::str(name.data(), name.size()));
+      return nb::tuple(out);
+    };
+    nb::dict attribute_names;
+    attribute_names["ag_tile"] = names(jaxflux::kAgGemmConfigNames);
+    attribute_names["gemm_tile"] = names(jaxflux::kGemmTilesNames);
+    attribute_names["own_rows_schedule"] = names(jaxflux::kOwnRowsScheduleNames);
+    attribute_names["grouped_tile"] = names(jaxflux::kGroupedGemmTilesNames);
+    m.attr("attribute_names") = attribute_names;
+  }
+  m.def("slot_word",
+        [](int host, int slot) {
+          if (!jaxflux::SlotWordFits(host, slot)) {
+            throw nb::value_error(("jaxflux: host " + std::to_string(host) + ", slot " +
+                                   std::to_string(slot) + " do not fit a slot word (hosts < " +
+                                   std::to_string(jaxflux::kSlotWordMaxHosts) + ", slots < " +
+                                   std::to_string(1 << jaxflux::kSlotWordBits) + ")").c_str());
+          }
+          return jaxflux::SlotWord(host, slot);
+        },
+        nb::arg("host"), nb::arg("slot"),
+        "The slot word naming host slot `slot` of host `host` (runtime.h's SlotWord).");
 
   m.def("registrations", []() {
     nb::dict registrations;
@@ -124,8 +153,8 @@ NB_MODULE(_jaxflux, m) {
         nb::arg("ordinals"), nb::arg("bytes"), nb::arg("minimum_bytes"),
         "Grows the per-device arenas of `ordinals` to >= bytes; returns the generation to use.");
   m.def("workspace_bytes", &jaxflux::WorkspaceBytes, nb::arg("generation"));
-  // The workspace results of the targets XLA may capture into command buffers, sized at trace
-  // time from the same description the handlers launch from.
+  // The workspace results of the tp=1 targets (they allocate nothing while executing), sized at
+  // trace time from the same description the handlers launch from.
   m.def("gemm_workspace_bytes",
         [](const std::string& dtype, int64_t m, int64_t n, int64_t k, int64_t kernel,
            int64_t transpose_w, int64_t tile, int64_t own_rows_schedule, int64_t push_chunks,
@@ -150,8 +179,8 @@ NB_MODULE(_jaxflux, m) {
               jaxflux::HostExecutions(jaxflux::CountedTarget::kGroupedGemm).load();
           return counts;
         },
-        "Times the host ran each command-buffer-compatible target's execute stage (a replayed "
-        "CUDA graph runs none).");
+        "Times the host ran each tp=1 target's execute stage (a replayed CUDA graph would run "
+        "none).");
   m.def("grouped_gemm_workspace_bytes",
         [](const std::string& dtype, int64_t m, int64_t n, int64_t k, int64_t groups,
            int64_t kind, int64_t transpose_w, int64_t tile, int32_t device) {

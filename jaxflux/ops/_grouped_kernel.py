@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflux import _runtime, tuning
-from jaxflux.ops import _common, _plan
+from jaxflux.ops import _attributes, _common, _plan
 
 _TARGET = "jaxflux_grouped_gemm"
 _FORWARD, _WEIGHT_GRAD = 0, 1
@@ -28,9 +28,10 @@ def _call(a, b, group_sizes, out_shape, *, kind: int, transpose_w: bool, group_r
   _runtime.register_targets()
   if tile is None:
     tile = tuning.choose_grouped_matmul(group_rows=group_rows, n=out_shape[-1])
-  attrs = dict(kind=kind, transpose_w=int(transpose_w), tile=tuning.GROUPED_TILES.index(tile))
+  attrs = dict(kind=kind, transpose_w=int(transpose_w),
+               tile=_attributes.encode("grouped_tile", tile))
   # The workspace (per-group arguments, tensor maps) is a second result, sized here: the handler
-  # allocates nothing, so XLA can capture the call into a command buffer.
+  # allocates nothing (XLA assigns it like any buffer).
   workspace = _runtime.grouped_gemm_workspace_bytes(a.dtype, a.shape[0], out_shape[-1],
                                                     a.shape[1], group_sizes.shape[0], attrs)
   call = jax.ffi.ffi_call(_TARGET, (jax.ShapeDtypeStruct(out_shape, out_dtype or a.dtype),

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflux import tuning
-from jaxflux.ops import _common, _group_call
+from jaxflux.ops import _attributes, _common, _group_call
 
 _AG_OP = "all_gather_grouped_matmul"
 _RS_OP = "grouped_matmul_reduce_scatter"
@@ -31,7 +31,7 @@ def _tile(tile: str | None, rows_per_group: float, n: int) -> int:
   """The tile attribute: `tile` (an override's), else the tuned one."""
   if tile is None:
     tile = tuning.choose_grouped_matmul(group_rows=rows_per_group, n=n)
-  return tuning.GROUPED_TILES.index(tile)
+  return _attributes.encode("grouped_tile", tile)
 
 
 def all_gather_grouped(x, w, group_sizes, token_index, row_scale, axis_name: str, *,

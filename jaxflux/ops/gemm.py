@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflux import _runtime, tuning
-from jaxflux.ops import _common, _plan, _platform
+from jaxflux.ops import _attributes, _common, _plan, _platform
 
 KERNELS = {"cutlass": 0, "all_gather_matmul": 1, "own_rows": 2, "matmul_all_reduce": 0}
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -91,13 +91,14 @@ def attributes(kernel: str, choice) -> dict:
   """The jaxflux_gemm attributes of `kernel` run with `choice` (its op's tuning choice)."""
   attrs = {"kernel": KERNELS[kernel], "tile": 0, "own_rows_schedule": 0, "push_chunks": 0}
   if kernel == "all_gather_matmul":
-    attrs.update(tile=tuning.AG_TILES.index(choice.tile), swizzle=choice.swizzle)
+    attrs.update(tile=_attributes.encode("ag_tile", choice.tile), swizzle=choice.swizzle)
   elif kernel == "matmul_all_reduce":
-    attrs.update(tile=tuning.AR_TILES.index(choice.tile), swizzle=choice.swizzle)
+    attrs.update(tile=_attributes.encode("gemm_tile", choice.tile), swizzle=choice.swizzle)
   elif kernel == "cutlass":
     attrs.update(swizzle=choice.peer_rows_swizzle)
   else:
-    attrs.update(own_rows_schedule=tuning.OWN_ROWS_SCHEDULES.index(choice.own_rows_schedule),
+    attrs.update(own_rows_schedule=_attributes.encode("own_rows_schedule",
+                                                      choice.own_rows_schedule),
                  push_chunks=int(choice.push == "chunked"), swizzle=choice.own_rows_swizzle)
   attrs["grid_sms"] = choice.grid_sms
   return attrs
@@ -174,7 +175,7 @@ def call(x, w, *, kernel: str, choice, transpose_w: bool, out_dtype, c=None, sca
   _runtime.register_targets()
   source = c if c is not None else jnp.zeros((8,), out_dtype)  # not read by kernels 0 and 1
   # The CUTLASS workspace is a second result (sized here, unused after): the handler allocates
-  # nothing, so XLA can capture the call into a command buffer.
+  # nothing (XLA assigns it like any buffer).
   workspace = _runtime.gemm_workspace_bytes(x.dtype, math.prod(x.shape[:-1]), n, x.shape[-1],
                                             attrs)
   ffi_call = jax.ffi.ffi_call(

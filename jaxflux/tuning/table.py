@@ -173,9 +173,9 @@ ENTRIES = (
 # the op is its GEMM alone, and the GEMM-only tables put it behind cuBLAS on average (decode
 # GEMM at M <= 128: 1.10x on H200, h200_gemm_decode.json; 1.079x on H100, h100_gemm_decode.json,
 # 1.04-1.25x at one row; persistent GEMM 1.075x above, h200_gemm_all_reduce.json). In the
-# generation example at batch 1 on H100 the fused layers decode level with Flax's at best (6.25
-# against 6.31 ms/token; 1.09x slower with the tp=1 GEMMs in XLA's command buffers,
-# h100_generate_llama70b_8l_batch1.json): not ahead, so no rule.
+# generation example on one H100 the fused layers decode a little ahead of Flax's (0.96-0.98x
+# at batch 1, h100_generate_llama70b_8l_batch1.json; 0.905x at batch 16,
+# h100_generate_llama70b_8l.json), but no table says which rows the kernel wins, so no rule yet.
 #
 # The grouped and MoE ops: their XLA path multiplies with lax.ragged_dot, which the grouped
 # table puts 7-72x behind the kernel on one H200. For the MoE ops at tp >= 2 no two-GPU timing exists, but

@@ -33,6 +33,7 @@
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi/attribute_names.h"
 #include "xla_ffi/ffi/errors.h"
 #include "xla_ffi/ffi/group.h"
 #include "xla_ffi/ffi/group_call.h"
@@ -47,6 +48,10 @@
 namespace ffi = xla::ffi;
 
 namespace jaxflux {
+
+static_assert(kAgGemmConfigNames.size() == kAgGemmNumConfigs,
+              "attribute_names.h names every AgGemmConfig");
+
 namespace {
 
 constexpr char kOp[] = "all_gather_matmul";

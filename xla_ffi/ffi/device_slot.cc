@@ -1,5 +1,5 @@
-// jaxflux_device_slot: writes this device's slot word, host << 8 | slot, into an int32[2] output
-// ({word, 0}). With one process per GPU the ops all-gather it over the tp axis, so that every
+// jaxflux_device_slot: writes this device's slot word (runtime.h's SlotWord) into an int32[2]
+// output ({word, 0}). With one process per GPU the ops all-gather it over the tp axis, so that every
 // device learns its peers from the program instead of a host rendezvous (docs/design.md,
 // "Multiple processes"). A stream memory op writes it: no kernel, nothing to wait for.
 #include "xla_ffi/ffi/device_slot.h"
@@ -26,12 +26,12 @@ ffi::Error DeviceSlot(cudaStream_t stream, int32_t ordinal,
   }
   const int slot = SlotOfOrdinal(ordinal);
   const int host = HostIndex();
-  if (slot < 0 || slot > 0xff || host < 0 || host >= (1 << 22)) {
+  if (!SlotWordFits(host, slot)) {
     return ffi::Error::Internal("jaxflux device_slot: GPU " + std::to_string(ordinal) +
                                 " has slot " + std::to_string(slot) + " on host " +
                                 std::to_string(host) + ", outside the slot word's range");
   }
-  const auto word = static_cast<uint32_t>(host << 8 | slot);
+  const auto word = static_cast<uint32_t>(SlotWord(host, slot));
   std::string error;
   // Little-endian: the 64-bit write puts `word` in element 0 and zero in element 1.
   if (!WriteFlag(stream, reinterpret_cast<uint64_t*>(out->typed_data()), word, &error)) {

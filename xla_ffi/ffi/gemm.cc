@@ -12,8 +12,8 @@
 //
 // The CUTLASS workspace is the call's second result, sized at trace time by
 // GemmWorkspaceBytes (the module's gemm_workspace_bytes), so execute allocates nothing, reads
-// nothing back and launches the same work for the same buffers: XLA may capture it into a
-// command buffer (CUDA graph) and replay it.
+// nothing back and launches the same work for the same buffers (capturable; not declared so,
+// see the handler's definition).
 #include "xla_ffi/ffi/gemm.h"
 
 #include <cuda_runtime_api.h>

@@ -29,6 +29,7 @@
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi/attribute_names.h"
 #include "xla_ffi/ffi/errors.h"
 #include "xla_ffi/ffi/group.h"
 #include "xla_ffi/ffi/group_call.h"
@@ -45,6 +46,10 @@
 namespace ffi = xla::ffi;
 
 namespace jaxflux {
+
+static_assert(kGemmTilesNames.size() == kGemmNumTiles,
+              "attribute_names.h names every GemmTiles");
+
 namespace {
 
 constexpr char kOp[] = "matmul_all_reduce";

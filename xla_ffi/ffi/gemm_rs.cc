@@ -33,6 +33,7 @@
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi/attribute_names.h"
 #include "xla_ffi/ffi/errors.h"
 #include "xla_ffi/ffi/group.h"
 #include "xla_ffi/ffi/group_call.h"
@@ -51,6 +52,10 @@
 namespace ffi = xla::ffi;
 
 namespace jaxflux {
+
+// own_rows_schedule: 0 cooperative, 1 ping-pong (the CheckAttrIn below).
+static_assert(kOwnRowsScheduleNames.size() == 2, "attribute_names.h names both schedules");
+
 namespace {
 
 constexpr char kOp[] = "matmul_reduce_scatter";

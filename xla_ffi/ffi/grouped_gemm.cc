@@ -9,8 +9,7 @@
 //                         row_scale[i] · col_scale[g] in fp32, rounded once.
 // `tile` is a GroupedGemmTiles, chosen by jaxflux/tuning. The workspace (per-group arguments
 // and tensor maps, written on the device) is the call's second result, sized at trace time by
-// GroupedGemmWorkspaceBytes: execute allocates nothing and never reads the sizes back, so XLA may
-// capture it into a command buffer.
+// GroupedGemmWorkspaceBytes: execute allocates nothing and never reads the sizes back.
 #include "xla_ffi/ffi/grouped_gemm.h"
 
 #include <cuda_runtime_api.h>
@@ -21,6 +20,7 @@
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi/attribute_names.h"
 #include "xla_ffi/ffi/errors.h"
 #include "xla_ffi/ffi/host_executions.h"
 #include "xla_ffi/ffi/scratch.h"
@@ -29,6 +29,10 @@
 namespace ffi = xla::ffi;
 
 namespace jaxflux {
+
+static_assert(kGroupedGemmTilesNames.size() == kGroupedGemmNumTiles,
+              "attribute_names.h names every GroupedGemmTiles");
+
 namespace {
 
 constexpr char kOp[] = "grouped_gemm";

@@ -1,6 +1,6 @@
-// How many times the host ran the execute stage of the command-buffer-compatible handlers. XLA
-// runs a captured handler only to record it (again when its buffers move) and replays the CUDA
-// graph after that, so the counts tell whether a program's calls were captured.
+// How many times the host ran the execute stage of the tp=1 handlers. XLA would run a captured
+// handler only to record it (again when its buffers move) and replay the CUDA graph after that,
+// so the counts tell whether a program's calls were captured (tests/test_command_buffers_gpu.py).
 #pragma once
 
 #include <atomic>

@@ -1,6 +1,6 @@
 // CUTLASS workspace, the same way in every handler: from XLA's scratch allocator (the fused
-// cross-process ops), or from a result the call declares (the handlers XLA may capture into a
-// command buffer, which must not allocate while executing).
+// cross-process ops), or from a result the call declares (the tp=1 handlers, which allocate
+// nothing while executing).
 #pragma once
 
 #include <cstddef>

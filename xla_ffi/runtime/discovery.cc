@@ -56,14 +56,14 @@ bool ChannelOf(const std::array<int, kMaxRanks>& peers, int64_t tp, int* channel
 }
 
 // One process per GPU: the operand [rank, group, slot word of rank 0, ..., of rank tp-1] names
-// every peer (slot word = host << 8 | slot, gathered in the program), so no rendezvous is needed.
+// every peer (slot words, runtime.h; gathered in the program), so no rendezvous is needed.
 bool GroupFromSlots(int ordinal, const int32_t* words, int rank, int group, int64_t tp,
                     GroupInfo* info, std::string* error) {
   const int my_slot = SlotOfOrdinal(ordinal);
   std::array<int, kMaxRanks> peers;
   peers.fill(-1);
   for (int r = 0; r < tp; ++r) {
-    const int host = words[r] >> 8, slot = words[r] & 0xff;
+    const int host = SlotWordHost(words[r]), slot = SlotWordSlot(words[r]);
     if (host != HostIndex()) {
       *error = "jaxflux: rank " + std::to_string(r) + " of the tp group of GPU " +
                std::to_string(ordinal) + " is on host " + std::to_string(host) + ", this GPU on "

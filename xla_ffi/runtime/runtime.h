@@ -29,8 +29,20 @@ size_t WorkspaceBytes(int64_t generation);
 // Host slots. The runtime's per-device tables (arenas, flag arrays, the source index of a flag)
 // are indexed by a GPU's slot among all GPUs of its host. With one process the slot is the CUDA
 // ordinal; with one process per GPU, Python assigns slots host-wide (jaxflux/_runtime.py) before
-// the first workspace. The host index tells hosts apart in a slot word (host << 8 | slot).
+// the first workspace. The host index tells hosts apart in a slot word (SlotWord below).
 void SetSlot(int ordinal, int slot);
+
+// A slot word names a GPU of the job in one int32: host << kSlotWordBits | its host slot. The
+// rank operand carries one per rank; Python builds them with the module's `slot_word`.
+inline constexpr int kSlotWordBits = 8;
+inline constexpr int kSlotWordMaxHosts = 1 << 22;
+constexpr bool SlotWordFits(int host, int slot) {
+  return host >= 0 && host < kSlotWordMaxHosts && slot >= 0 && slot < (1 << kSlotWordBits);
+}
+constexpr int32_t SlotWord(int host, int slot) { return host << kSlotWordBits | slot; }
+constexpr int SlotWordHost(int32_t word) { return word >> kSlotWordBits; }
+constexpr int SlotWordSlot(int32_t word) { return word & ((1 << kSlotWordBits) - 1); }
+
 int SlotOfOrdinal(int ordinal);
 void SetHostIndex(int host);
 int HostIndex();
