@@ -317,6 +317,55 @@ def test_sharded_over_experts_matches_unsharded(case, axis_type):
       assert g.sharding.is_equivalent_to(params_sharded[name].sharding, g.ndim), name
 
 
+# Expert parallelism with the tokens on the experts' axis: each (token, expert) pair's row goes
+# to its expert's device and back (two all-to-alls), instead of every device seeing every token.
+@pytest.mark.parametrize("devices, num_experts, k, activation, tokens", [
+    (8, 8, 2, "swiglu", 3),    # one expert per device, 3 tokens each
+    (8, 16, 1, "gelu", 5),     # two per device, top-1
+    (8, 16, 4, "swiglu", 2),   # more pairs than tokens
+    (1, 4, 2, "swiglu", 6),    # a one-device mesh
+])
+def test_expert_parallel_dispatch_matches_and_sends_only_rows(devices, num_experts, k,
+                                                              activation, tokens):
+  mesh = mesh_of((devices,), ("ep",))
+  rules = (("exp", "ep"),)
+  layer = jaxflux.MoE(num_experts, k, INTER, activation=activation)
+  params, x, y_ref, aux_ref, grads_ref = reference_run(23 + k, num_experts, k, activation,
+                                                       (devices * tokens, HIDDEN))
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    variables = jax.jit(layer.init)(jax.random.key(0), x)
+    sharded = {name: jax.device_put(v, variables["params"][name].value.sharding)
+               for name, v in params.items()}
+    xs = jax.device_put(x, NamedSharding(mesh, P("ep")))
+    y, aux, grads = linen_run(layer, sharded, xs)
+    loss = lambda p, x: sum_of_squares(layer.apply({"params": p}, x))  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(sharded, xs)
+  assert_trees_close(y, y_ref)
+  np.testing.assert_allclose(aux, aux_ref, rtol=1e-5)
+  assert_trees_close(grads, grads_ref, rtol=1e-4, atol=1e-5)
+  primitives = {eqn.primitive.name for eqn in equations(jaxpr)}
+  # The rows move by all-to-all, forward and backward; no device gathers the tokens.
+  assert "all_to_all" in primitives and "all_gather" not in primitives, primitives
+
+
+def test_expert_parallel_dispatch_runs_the_grouped_kernel(fake_hopper):
+  """impl="fused" under expert parallelism: each device's experts on the grouped GEMM kernel
+  (traced, not run), forward and backward, the rows moved by XLA's all-to-all."""
+  mesh = mesh_of((8,), ("ep",))
+  layer = jaxflux.MoE(8, 2, 32, impl="fused", dtype=jnp.bfloat16)
+  params, x = random_params(29, 8, "swiglu", inter=32), random_x(30, (16, HIDDEN))
+  with jax.set_mesh(mesh), nn.logical_axis_rules((("exp", "ep"),)):
+    boxes = jax.eval_shape(layer.init, jax.random.key(0), x)["params"]
+    sharded = {k: jax.device_put(v, NamedSharding(mesh, mesh_spec(boxes[k].names,
+                                                                  (("exp", "ep"),))))
+               for k, v in params.items()}
+    xs = jax.device_put(x, NamedSharding(mesh, P("ep")))
+    loss = lambda p, x: sum_of_squares(layer.apply({"params": p}, x))  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(sharded, xs)
+  assert {target for target, _ in ffi_calls(jaxpr)} == {"jaxflux_grouped_gemm"}
+  assert "all_to_all" in {eqn.primitive.name for eqn in equations(jaxpr)}
+
+
 # Tensor parallelism with sequence-parallel tokens (the intermediate dimension and the tokens on
 # one axis, the experts whole): the layer runs the MoE ops, all_gather_grouped_matmul ->
 # activation -> grouped_matmul_reduce_scatter.

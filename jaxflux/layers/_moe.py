@@ -14,13 +14,14 @@ parallelism) and its intermediate dimension on (expert tensor parallelism) split
 MLP, in a shard_map manual over those axes and the mesh's Explicit axes. Each device routes its
 own tokens, multiplies by its own slice of the experts only, and the partial outputs are summed
 over those axes (all-reduce). Where such an axis also shards the tokens, the tokens are
-all-gathered over it after routing and the outputs reduce-scattered back; where one axis alone
-splits the intermediate dimension and the tokens (tensor parallelism with sequence-parallel
-tokens), that gather, the grouped matmuls and the reduce-scatter are the fused MoE ops
-(`all_gather_grouped_matmul`, `grouped_matmul_reduce_scatter`). A device keeps all
-T * k rows of the tokens it sees, the static worst case: rows routed to other devices' experts
-sort past its groups, where grouped_matmul gives zeros. Sending each device only its own rows
-(an all-to-all dispatch) is not implemented.
+all-gathered over it after routing and the outputs reduce-scattered back, with two exceptions:
+where one axis alone splits the intermediate dimension and the tokens (tensor parallelism with
+sequence-parallel tokens), that gather, the grouped matmuls and the reduce-scatter are the
+fused MoE ops (`all_gather_grouped_matmul`, `grouped_matmul_reduce_scatter`); where one axis
+alone splits the experts and the tokens (expert parallelism), each (token, expert) row goes to
+its expert's device and back by all-to-all (`expert_parallel_experts`). Otherwise a device
+keeps all T * k rows of the tokens it sees, the static worst case: rows routed to other
+devices' experts sort past its groups, where grouped_matmul gives zeros.
 """
 
 from __future__ import annotations
@@ -138,6 +139,15 @@ class _Plan:
       return self.mlp[0]
     return None
 
+  @property
+  def expert_parallel_axis(self) -> str | None:
+    """The one axis that splits the experts and the tokens (and nothing splits the intermediate
+    dimension): the split whose rows go to their experts' devices (an all-to-all dispatch).
+    None for any other split."""
+    if len(self.experts) == 1 and not self.mlp and self.gather == self.experts and not self.reduce:
+      return self.experts[0]
+    return None
+
 
 def check_split(layer: str, mesh, wi_spec, num_experts: int, intermediate: int) -> tuple:
   """The mesh axes of wi's expert and intermediate dimensions, checked: axes of the mesh, not
@@ -248,6 +258,41 @@ def _activation(activation: str, h: list):
   return jax.nn.gelu(h[0])
 
 
+def expert_parallel_experts(x, weights, experts, wi, wo, *, axis: str, activation: str,
+                            impl: str, precision, dtype):
+  """expert_mlp for this device's tokens with the experts split over `axis` and the tokens too:
+  each (token, expert) pair's row goes to its expert's device (an all-to-all), through that
+  device's experts, and back (a second all-to-all), then the top k are combined here. Dropless:
+  each device sends each peer a buffer for all of its m*k pairs, the static worst case (the
+  pairs beyond a peer's count are zeros, which its experts skip). x [m, H], weights (float32)
+  and experts [m, k] (global ids) -> [m, H]."""
+  ranks, local = lax.axis_size(axis), wo.shape[0]
+  m, k = experts.shape
+  pairs = m * k
+  flat = experts.reshape(-1)
+  valid = (flat >= 0) & (flat < ranks * local)
+  dest = jnp.where(valid, flat // local, ranks)  # ranks: routed nowhere, sent nowhere
+  # Each pair's place in its destination's block: its rank among the pairs bound there.
+  bound = dest[:, None] == jnp.arange(ranks)[None, :]
+  place = jnp.sum(jnp.cumsum(bound, axis=0) * bound, axis=1) - 1
+  rows = jnp.take(x.astype(dtype), jnp.arange(pairs) // k, axis=0)
+  send = jnp.zeros((ranks, pairs, x.shape[-1]), dtype).at[dest, place].set(rows, mode="drop")
+  # The receiver's local expert of each row; `local` (no expert) for the unused places.
+  ids = jnp.full((ranks, pairs), local, jnp.int32).at[dest, place].set(
+      (flat - dest * local).astype(jnp.int32), mode="drop")
+  recv = lax.all_to_all(send, axis, 0, 0)
+  recv_ids = lax.all_to_all(ids, axis, 0, 0)
+  ones = jnp.ones((ranks * pairs, 1), jnp.float32)
+  done = expert_mlp(recv.reshape(ranks * pairs, -1), ones, recv_ids.reshape(-1, 1), wi, wo,
+                    activation=activation, impl=impl, precision=precision, dtype=dtype)
+  back = lax.all_to_all(done.reshape(ranks, pairs, -1), axis, 0, 0)
+  # Each pair's row from where it went (a pair routed nowhere reads a zero), weighted and summed
+  # over its top k in float32, like expert_mlp.
+  picked = back.at[dest, place].get(mode="fill", fill_value=0).reshape(m, k, -1)
+  y = jnp.einsum("mkh,mk->mh", picked.astype(jnp.float32), weights, precision=precision)
+  return y.astype(dtype)
+
+
 def tensor_parallel_experts(x, weights, experts, wi, wo, *, axis: str, activation: str,
                             impl: str, precision, dtype):
   """expert_mlp for this device's tokens, sequence-parallel over `axis`, with every expert's
@@ -299,10 +344,11 @@ def moe_mlp(layer: str, x, gate, wi: tuple, wo, *, num_experts_per_tok: int,
     weights, experts, pairs, probs = route(x, gate, k, norm_topk_prob, precision)
     if plan and plan.tokens:
       pairs, probs = lax.psum((pairs, probs), plan.tokens)
-    if plan and plan.tensor_parallel_axis:
-      y = tensor_parallel_experts(x, weights, experts, tuple(wi), wo, activation=activation,
-                                  impl=impl, precision=precision, dtype=dtype,
-                                  axis=plan.tensor_parallel_axis)
+    if plan and (plan.tensor_parallel_axis or plan.expert_parallel_axis):
+      split = (tensor_parallel_experts if plan.tensor_parallel_axis else expert_parallel_experts)
+      y = split(x, weights, experts, tuple(wi), wo, activation=activation, impl=impl,
+                precision=precision, dtype=dtype,
+                axis=plan.tensor_parallel_axis or plan.expert_parallel_axis)
       return y.reshape(*lead, hidden), pairs, probs
     rows = [x.astype(dtype), weights, experts]
     if plan and plan.gather:
