@@ -39,7 +39,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 from jaxflux.layers import _layer_mesh as lm
 from jaxflux.ops import (all_gather_grouped_matmul, grouped_matmul,
                          grouped_matmul_reduce_scatter, moe_routing)
-from jaxflux.ops._common import stable_argsort
+from jaxflux.ops.moe_routing import sort_by_expert
 
 ACTIVATIONS = ("swiglu", "gelu")
 IMPLS = lm.IMPLS
@@ -235,17 +235,13 @@ def expert_mlp(x, weights, experts, wi, wo, *, activation: str, impl: str, preci
   after every group, where grouped_matmul gives zeros (and zero gradients).
   """
   rows, k = experts.shape
-  num_experts = wo.shape[0]
-  flat = experts.reshape(-1)
-  key = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
-  _, order = stable_argsort(key)
-  sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-  xs = jnp.take(x, order // k, axis=0)
-  matmul = functools.partial(grouped_matmul, group_sizes=sizes, impl=impl, precision=precision)
+  sizes, order, places, _ = sort_by_expert(experts.reshape(1, -1), wo.shape[0])
+  xs = jnp.take(x, order[0] // k, axis=0)
+  matmul = functools.partial(grouped_matmul, group_sizes=sizes[0], impl=impl,
+                             precision=precision)
   ys = matmul(_activation(activation, [matmul(xs, w) for w in wi]), wo)
-  # Back to (token, expert) order: the inverse permutation, a scatter of integers (no gradient).
-  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-  pairs = jnp.take(ys, inverse, axis=0).reshape(rows, k, ys.shape[-1])
+  # Back to (token, expert) order: each pair's sorted place.
+  pairs = jnp.take(ys, places[0], axis=0).reshape(rows, k, ys.shape[-1])
   # The weighted sum in float32, like the routing weights; one rounding to dtype at the end.
   y = jnp.einsum("rkh,rk->rh", pairs.astype(jnp.float32), weights, precision=precision)
   return y.astype(dtype)

@@ -98,22 +98,32 @@ def moe_routing(expert_ids, num_experts: int, axis_name: str, *, gathered: bool 
         all_gather.all_gather(expert_ids, axis_name, impl="fused").reshape(tp, m, topk), axes)
   elif not gathered:
     expert_ids = lax.all_gather(expert_ids, axis_name)
-  ids_all = expert_ids.reshape(tp, s)
-  # Invalid ids sort last, as group G (dropped from the counts).
-  keys = jnp.where((ids_all >= 0) & (ids_all < num_experts), ids_all, num_experts)
-  sorted_keys, pair_index = _common.stable_argsort(keys, axes)
-  # Counts per (segment, group) as one bincount over segment-offset keys.
-  offsets = jnp.arange(tp, dtype=jnp.int32)[:, None] * (num_experts + 1)
-  counts = jnp.bincount((keys + offsets).reshape(-1), length=tp * (num_experts + 1))
-  group_sizes = counts.reshape(tp, num_experts + 1)[:, :num_experts].astype(jnp.int32)
-  # This rank's inverse permutation: the sorted row of each of its pairs.
-  order = pair_index[lax.axis_index(axis_name)]
-  iota = _common.mark_varying(jnp.arange(s, dtype=jnp.int32), axes)
-  row_index = jnp.zeros_like(order).at[order].set(iota).reshape(m, topk)
+  group_sizes, pair_index, rows, sorted_keys = sort_by_expert(expert_ids.reshape(tp, s),
+                                                              num_experts, axes)
+  row_index = rows[lax.axis_index(axis_name)].reshape(m, topk)  # this rank's pairs' rows
   # Segment-major rows in expert-major order; expert g's rows of segment 0 come first.
   _, expert_order = _common.stable_argsort(sorted_keys.reshape(-1), axes)
   return MoeRouting(*(_common.mark_varying(a.astype(jnp.int32), axes)
                       for a in (group_sizes, pair_index, row_index, expert_order)))
+
+
+def sort_by_expert(expert_ids, num_experts: int, axes=None) -> tuple:
+  """Each segment (row) of expert_ids [S, n] sorted by expert, stably; ids outside
+  [0, num_experts) count in no group and sort last. Returns, int32: (group_sizes [S, G], order
+  [S, n] (the pair at each sorted place), rows [S, n] (each pair's sorted place, order's
+  inverse), sorted keys [S, n] (G for the ids of no expert)), typed varying over `axes` (default:
+  the axes expert_ids varies over). moe_routing and the MoE layer's expert MLP share it."""
+  segments, n = expert_ids.shape
+  keys = jnp.where((expert_ids >= 0) & (expert_ids < num_experts), expert_ids, num_experts)
+  sorted_keys, order = _common.stable_argsort(keys, axes)
+  # Counts per (segment, group) as one bincount over segment-offset keys.
+  offsets = jnp.arange(segments, dtype=jnp.int32)[:, None] * (num_experts + 1)
+  counts = jnp.bincount((keys + offsets).reshape(-1), length=segments * (num_experts + 1))
+  group_sizes = counts.reshape(segments, num_experts + 1)[:, :num_experts].astype(jnp.int32)
+  iota = _common.mark_varying(jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (segments, n)),
+                              _common.vma(order))
+  rows = jnp.zeros_like(order).at[jnp.arange(segments)[:, None], order].set(iota)
+  return group_sizes, order, rows, sorted_keys
 
 
 def _check(expert_ids, num_experts, tp: int | None):
