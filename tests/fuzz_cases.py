@@ -292,8 +292,9 @@ def cases_per_op(tp: int) -> int:
 
 def from_env(tp: int, environ=None, per_op: int | None = None) -> tuple:
   """(seed, cases) as JAXFLUX_FUZZ_SEED and JAXFLUX_FUZZ_CASES set them (defaults: DEFAULT_SEED,
-  every case of cases_per_op(tp) per op). JAXFLUX_FUZZ_FORCE_CHOICES=0 runs every case with the table's kernel choices
-  (whether a failing case with forced choices fails with the table's too)."""
+  every case of cases_per_op(tp) per op). JAXFLUX_FUZZ_FORCE_CHOICES=0 runs every case with the
+  table's kernel choices (whether a failing case with forced choices fails with the table's
+  too)."""
   environ = os.environ if environ is None else environ
   seed = int(environ.get("JAXFLUX_FUZZ_SEED") or DEFAULT_SEED)
   per_op = cases_per_op(tp) if per_op is None else per_op
@@ -523,7 +524,7 @@ def _bits(a) -> np.ndarray:
 # Column-parallel all_gather_matmul, GELU (tanh form, jax.nn.gelu's default) computed in
 # float32 on the rounded pre-activation, row-parallel matmul_reduce_scatter; no bias.
 
-MLP_SHAPES = (  # (batch, per-rank token rows m, model dim D, hidden H)
+MLP_SHAPES = (  # (batch, per-rank token rows m, model dim D, hidden H at tp=2: H*tp/2)
     ((), 256, 512, 1024),
     ((), 1, 8, 32),
     ((2,), 7, 64, 96),

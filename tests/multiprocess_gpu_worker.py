@@ -52,16 +52,16 @@ processes' GPUs:
     instead of hanging.
 Prints `PASS <case>` per case and, last, `WORKER OK <process id>`.
 
-With `shared`, every process (2, 4 or 8 of them) drives GPU 0: the ranks then share one GPU,
-their kernels time-sliced, and CUDA IPC maps memory of the same device from another process. That runs the
-fused ops' cross-rank protocol (pushes, flags, waits) on a one-GPU machine: correctness only
+With `shared`, every process (2, 4 or 8 of them) drives GPU 0: the ranks then share one GPU, their
+kernels time-sliced, and CUDA IPC maps memory of the same device from another process. That runs
+the fused ops' cross-rank protocol (pushes, flags, waits) on a one-GPU machine: correctness only
 (the ranks' kernels take turns, so times mean nothing), and no XLA collective can run (NCCL
-refuses two ranks on one GPU), so MODE=check skips its in-program all-gather case there. A
-push between the ranks is then a copy within one device, which runs as a kernel, so the
-runtime gives the fused GEMMs fewer SMs than the GPU has when ranks share it
-(jaxflux/ops/_config.py, SHARED_GPU_FREE_SMS): one holding every SM while it spins on a peer's
-push would starve that push (it did in a matrix run without the cap, on the chunked all-gather
-of rows/rank=8192). MODE=check prints `RANKS PER GPU <n>`, what the runtime found.
+refuses two ranks on one GPU), so MODE=check skips its in-program all-gather case there. A push
+between the ranks is then a copy within one device, which runs as a kernel, so the runtime gives
+the fused GEMMs fewer SMs than the GPU has when ranks share it (jaxflux/ops/_config.py,
+SHARED_GPU_FREE_SMS): one holding every SM while it spins on a peer's push would starve that push
+(it did in a matrix run without the cap, on the chunked all-gather of rows/rank=8192). MODE=check
+prints `RANKS PER GPU <n>`, what the runtime found.
 """
 import contextlib
 import hashlib
@@ -480,6 +480,7 @@ def run_mlp():
   import fuzz_cases
   for dtype in ("bfloat16", "float16"):
     for i, (batch, m, d, h) in enumerate(fuzz_cases.MLP_SHAPES):
+      h = h * tp // 2  # H is given at tp=2: every rank keeps the columns it has there
       name = f"mlp {dtype} batch={batch} rows/rank={m} D={d} H={h}"
       data = fuzz_cases.mlp_data(100 + i, batch, tp * m, d, h, dtype)
       want = fuzz_cases.mlp_reference(**data)
