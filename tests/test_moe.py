@@ -321,8 +321,8 @@ def test_sharded_over_experts_matches_unsharded(case, axis_type):
 # to its expert's device and back (two all-to-alls), instead of every device seeing every token.
 @pytest.mark.parametrize("devices, num_experts, k, activation, tokens", [
     (8, 8, 2, "swiglu", 3),    # one expert per device, 3 tokens each
-    (8, 16, 1, "gelu", 5),     # two per device, top-1
-    (8, 16, 4, "swiglu", 2),   # more pairs than tokens
+    pytest.param(8, 16, 1, "gelu", 5, marks=pytest.mark.slow),    # two per device, top-1
+    pytest.param(8, 16, 4, "swiglu", 2, marks=pytest.mark.slow),  # more pairs than tokens
     (1, 4, 2, "swiglu", 6),    # a one-device mesh
 ])
 def test_expert_parallel_dispatch_matches_and_sends_only_rows(devices, num_experts, k,
