@@ -268,9 +268,11 @@ def expert_parallel_experts(x, weights, experts, wi, wo, *, axis: str, activatio
   flat = experts.reshape(-1)
   valid = (flat >= 0) & (flat < ranks * local)
   dest = jnp.where(valid, flat // local, ranks)  # ranks: routed nowhere, sent nowhere
-  # Each pair's place in its destination's block: its rank among the pairs bound there.
-  bound = dest[:, None] == jnp.arange(ranks)[None, :]
-  place = jnp.sum(jnp.cumsum(bound, axis=0) * bound, axis=1) - 1
+  # Each pair's place in its destination's block: its rank among the pairs bound there, from
+  # the pairs sorted by destination (the expert sort, with devices for experts).
+  sizes, _, sorted_place, _ = sort_by_expert(dest[None], ranks)
+  starts = jnp.cumsum(sizes[0]) - sizes[0]
+  place = sorted_place[0] - starts[jnp.clip(dest, 0, ranks - 1)]
   rows = jnp.take(x.astype(dtype), jnp.arange(pairs) // k, axis=0)
   send = jnp.zeros((ranks, pairs, x.shape[-1]), dtype).at[dest, place].set(rows, mode="drop")
   # The receiver's local expert of each row; `local` (no expert) for the unused places.
