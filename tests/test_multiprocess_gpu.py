@@ -89,13 +89,15 @@ def test_fused_ops_across_two_processes(launcher, tmp_path):
     assert "RANKS PER GPU 1\n" in out, describe(results)
 
 
-def _assert_every_wait_timed_out(results):
-  """Process 1 died; each survivor's six cases (the worker's DIE_CASES: each kind of wait) each
-  timed out."""
+def _assert_every_wait_timed_out(results, tp=2):
+  """Process 1 died; each survivor's cases (the worker's DIE_CASES: each kind of wait, six at
+  tp=2, five past it, where GEMM+RS has no epilogue wait) each timed out."""
+  cases = 6 if tp == 2 else 5
   for i, (code, out) in enumerate(results):
     if i != 1:
       assert code == 0 and f"WORKER OK {i}" in out, describe(results)
-      assert out.count("PASS dead peer, ") == 6, describe(results)
+      assert f"DIE CASES {cases}\n" in out, describe(results)
+      assert out.count("PASS dead peer, ") == cases, describe(results)
 
 
 def test_a_dead_peer_fails_the_survivor_within_the_timeout(launcher, tmp_path):
@@ -213,7 +215,7 @@ def test_moe_layer_on_the_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path, 
 def test_a_dead_peer_sharing_one_gpu_fails_the_survivors(one_gpu_launcher, tmp_path, tp):
   _assert_every_wait_timed_out(
       _run(one_gpu_launcher, tmp_path, "die", timeout=_scaled(120, tp), shared=True,
-           tp=tp))
+           tp=tp), tp)
 
 
 @pytest.mark.slow
