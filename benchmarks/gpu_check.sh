@@ -7,8 +7,9 @@
 # Stages (default: tests, tables and train; keep each call under the machine's time limit by
 # picking stages):
 #   tests   the GPU-marked tests of the tiers in GPU_TIERS (default: quick), one pytest run each:
-#             quick    -m "gpu and not slow": every kernel once, each fused op once across two
-#                      processes sharing a GPU, the layers' fused path training on one GPU.
+#             quick    -m "gpu and not slow": every kernel family once, each fused op once with
+#                      2 and with 4 processes sharing a GPU, the layers' fused path training on
+#                      one GPU.
 #                      Meant to take under 3 minutes on one H100 (benchmarks/README.md); run
 #                      it for every change to GPU code.
 #             full     all of the chunks below, each meant to fit 9 minutes on one H200 (one
@@ -32,6 +33,10 @@
 #           them by output name (e.g. TABLES=h100_fp8_gemm).
 #   train   the training example (llama70b-8l preset, $TRAIN_STEPS steps, default 60) in modes
 #           jaxflux, xla and windowed; needs two GPUs
+#   wheel   build once, install everywhere: `pip wheel` here (into OUTDIR/wheel), then a fresh
+#           venv with neither the CUTLASS wheel nor nvcc on its PATH installs it and runs the
+#           quick tier from a copy of the tests without the source package (WHEEL_PYTEST narrows
+#           that run); runs before, and without, the editable build of the other stages
 # PREBUILT=1 skips the build and runs the extension module already in jaxflux/ (built by an
 # earlier call of this script on the same kind of machine, carried over).
 set -uo pipefail
@@ -43,6 +48,38 @@ export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on shared machines
 status=0
 T0=$(date +%s)
 stage() { [[ " $STAGES " == *" $1 "* ]] && echo "== $1 (at $(( $(date +%s) - T0 )) s)"; }
+
+if stage wheel; then
+  s=$(date +%s)
+  cutlass=/tmp/jaxflux_cutlass run_env=/tmp/jaxflux_wheel_run tree=/tmp/jaxflux_wheel_tests
+  rm -rf "$cutlass" "$run_env" "$tree" "$OUTDIR/wheel"
+  # The CUTLASS headers reach the build alone, never the environment that installs the wheel.
+  python3 -m pip install -q --no-deps --no-index --target "$cutlass" .whl/*.whl \
+    && PYTHONPATH="$cutlass" python3 -m pip wheel -q --no-deps --no-build-isolation \
+      -w "$OUTDIR/wheel" . > "$OUTDIR/wheel_build.log" 2>&1 \
+    || { tail -40 "$OUTDIR/wheel_build.log"; exit 1; }
+  echo "wheel built in $(( $(date +%s) - s )) s: $(cd "$OUTDIR/wheel" && ls -s --block-size=K)"
+  # The tests, examples and shapes without jaxflux/: `import jaxflux` finds the installed wheel.
+  mkdir -p "$tree" && tar --exclude=./jaxflux --exclude=./build --exclude=./.whl --exclude=./.git \
+    -cf - . | tar -C "$tree" -xf -
+  no_nvcc=$(tr : '\n' <<< "$PATH" | while read -r d; do [[ -x "$d/nvcc" ]] || echo "$d"; done \
+            | paste -sd:)
+  # A fresh venv that sees the packages python3 has (jax, flax, pytest; python3 may itself be a
+  # venv's, whose packages --system-site-packages would not reach), but not the CUTLASS headers.
+  python3 -m venv "$run_env"
+  python3 -c "import sysconfig; print(sysconfig.get_path('purelib'))" \
+    > "$("$run_env/bin/python" -c "import sysconfig; print(sysconfig.get_path('purelib'))")/base.pth"
+  (cd "$tree" && export PATH="$run_env/bin:$no_nvcc" && unset PYTHONPATH CUDA_HOME \
+    && ! command -v nvcc && python -m pip install -q --no-deps --no-index "$OUTDIR"/wheel/*.whl \
+    && python -c "import importlib.util as u, jaxflux; assert not u.find_spec('cutlass_library')
+assert jaxflux.has_cuda(); print('installed:', jaxflux.__file__)" \
+    && s=$(date +%s) && python -m pytest -q -rs -m "gpu and not slow" ${WHEEL_PYTEST:-tests} \
+      -p no:cacheprovider --durations=5 > "$OUTDIR/wheel_tests.log" 2>&1; code=$?
+    echo "== wheel: quick tier from the wheel: $(( $(date +%s) - s )) s"; tail -8 \
+      "$OUTDIR/wheel_tests.log"; exit $code) || status=1
+  if [[ "$STAGES" == wheel ]]; then echo "end at $(( $(date +%s) - T0 )) s, status $status"
+                                    exit $status; fi
+fi
 
 if [[ "${PREBUILT:-0}" == 1 ]]; then
   ls jaxflux/_jaxflux*.so > /dev/null || { echo "PREBUILT=1 but no jaxflux/_jaxflux*.so"; exit 1; }
@@ -71,10 +108,11 @@ tier() {  # the pytest selection of a test tier, as arguments
   case $1 in
     quick) TIER_ARGS=(-m "gpu and not slow" tests) ;;
     kernels) TIER_ARGS=("${gpu[@]}" "${kernels[@]}") ;;
-    ops) TIER_ARGS=("${gpu[@]}" "${ops[@]}" -k "not matrix and not tp4 and not tp8") ;;
+    ops) TIER_ARGS=("${gpu[@]}" "${ops[@]}" -k "not matrix and not tp4 and not tp8 and not once") ;;
     matrix) TIER_ARGS=("${gpu[@]}" tests/test_multiprocess_gpu.py -k "matrix and not pingpong") ;;
     matrix_pingpong) TIER_ARGS=("${gpu[@]}" tests/test_multiprocess_gpu.py -k matrix_pingpong) ;;
-    tp4) TIER_ARGS=("${gpu[@]}" tests/test_multiprocess_gpu.py -k "tp4 and not fuzz") ;;
+    tp4) TIER_ARGS=("${gpu[@]}" tests/test_multiprocess_gpu.py
+                    -k "tp4 and not fuzz and not once") ;;
     tp8) TIER_ARGS=("${gpu[@]}" tests/test_multiprocess_gpu.py -k tp8) ;;
     fuzz_tp4) TIER_ARGS=("${gpu[@]}" tests/test_multiprocess_gpu.py -k "fuzz and tp4") ;;
     rest) TIER_ARGS=("${gpu[@]}" tests)

@@ -17,13 +17,31 @@ from jax.sharding import AxisType, Mesh  # noqa: E402
 import jaxflux  # noqa: E402
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the markers added here
 def pytest_collection_modifyitems(config, items):
+  _mark_all_but_one_instance_slow(items)
   if jaxflux.has_cuda():
     return
   skip = pytest.mark.skip(reason="needs CUDA GPUs and a CUDA build of jaxflux")
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+def _mark_all_but_one_instance_slow(items):
+  """`@pytest.mark.quick_once("tile")`: the first instance of the test for each value of `tile`
+  not already slow stays in the quick tier, every other instance is marked slow (the full tier
+  runs them)."""
+  seen = set()
+  for item in items:
+    marker = item.get_closest_marker("quick_once")
+    if marker is None or not hasattr(item, "callspec") or item.get_closest_marker("slow"):
+      continue
+    key = (item.nodeid.partition("[")[0],) + tuple(
+        repr(item.callspec.params[name]) for name in marker.args)
+    if key in seen:
+      item.add_marker(pytest.mark.slow)
+    seen.add(key)
 
 
 def pytest_configure(config):

@@ -7,6 +7,9 @@ stays visible, so that CUDA IPC can map the peers' memory), then, on a ('tp',) m
 processes' GPUs:
   MODE=check: the fused all_gather_matmul and matmul_reduce_scatter against float32 NumPy,
     200 back-to-back calls with fresh data and no host sync, and gradients;
+  MODE=quick: each fused op once, what the quick test tier runs: MODE=check with 40
+    back-to-back calls, GEMM+AllReduce at 16 and 2048 rows, one case of each op's FP8 form (as
+    MODE=fp8 checks them) and the first MODE=moe case in bf16 without the back-to-back calls;
   MODE=matrix: both fused ops on every shape of shapes.json at M=1024 (and GEMM+RS at one shape
     whose partial is pushed in chunks), odd shapes, batch dims and fp16, and the gradients of
     both (each op's backward runs the other with the weight transposed), against float32 NumPy;
@@ -61,7 +64,7 @@ between the ranks is then a copy within one device, which runs as a kernel, so t
 the fused GEMMs fewer SMs than the GPU has when ranks share it (jaxflux/ops/_config.py,
 SHARED_GPU_FREE_SMS): one holding every SM while it spins on a peer's push would starve that push
 (it did in a matrix run without the cap, on the chunked all-gather of rows/rank=8192). MODE=check
-prints `RANKS PER GPU <n>`, what the runtime found.
+and MODE=quick print `RANKS PER GPU <n>`, what the runtime found.
 """
 import contextlib
 import hashlib
@@ -145,7 +148,7 @@ rs = jax.jit(jax.shard_map(lambda x, w: jaxflux.matmul_reduce_scatter(x, w, "tp"
 bf16 = lambda a, spec: global_array(a.astype(jnp.bfloat16), spec)  # noqa: E731
 
 
-def run_check():
+def run_check(calls=200):
   """Traced under jax.set_mesh: the ops take their peers' slots from a constant table."""
   x, w = operands(1, 256 * tp, 512, 384 * tp)
   check("all_gather_matmul value", ag(bf16(x, P("tp", None)), bf16(w, P(None, "tp"))), x @ w)
@@ -153,11 +156,11 @@ def run_check():
   check("matmul_reduce_scatter value", rs(bf16(x, P(None, "tp")), bf16(w, P("tp", None))), x @ w)
 
   outs, refs = [], []
-  for i in range(200):  # back to back, fresh data, no host sync
+  for i in range(calls):  # back to back, fresh data, no host sync
     x, w = operands(100 + i, 128 * tp, 256, 128 * tp)
     outs.append(ag(bf16(x, P("tp", None)), bf16(w, P(None, "tp"))))
     refs.append(x @ w)
-  for i in range(0, 200, 17):
+  for i in range(0, calls, 17):
     check(f"back-to-back call {i}", outs[i], refs[i])
 
   x, w = operands(3, 128 * tp, 256, 128 * tp)
@@ -169,6 +172,20 @@ def run_check():
                                                    global_array(ct, P(None, "tp")))
   check("gradient x", dx, ct @ w.T)
   check("gradient w", dw, x.T @ ct)
+
+
+def run_quick():
+  """Each fused op once (MODE=quick): MODE=check's values, gradients and 40 back-to-back calls,
+  GEMM+AllReduce at decode and prefill rows, each op's FP8 form, and the MoE ops' expert MLP
+  forward and backward."""
+  run_check(calls=40)
+  k = 1024 * tp
+  check_op("ar", "decode M=16", (16, k), (k, 2048))
+  check_op("ar", "prefill M=2048", (2048, k), (k, 2048))
+  check_fp8_ag("e4m3", "tensor", (), 200, 272, 144)
+  check_fp8_rs("e5m2", "rowwise", (), 400, 272, 144)
+  check_fp8_ar("e4m3", "rowwise", (), 17, 512, 384)
+  run_moe((jnp.bfloat16,), cases=MOE_CASES[:1], back_to_back=False)
 
 
 def run_check_gathered_slots():
@@ -298,11 +315,16 @@ def amax_scale(a, dtype, axis=None):
           ).astype(np.float32)
 
 
-def check_fp8_hlo(name, f, args, target, forbidden=("all-gather", "reduce-scatter")):
+def compiled(f, args):
+  """f compiled for args: the test reads its HLO and runs it (one compile for both)."""
+  return f.lower(*args).compile()
+
+
+def check_fp8_hlo(name, program, target, forbidden=("all-gather", "reduce-scatter")):
   """The compiled program runs the fused custom call and none of the `forbidden` XLA
   collectives (the scales too travel inside the kernel)."""
   import hlo_util  # tests/ is this script's folder
-  text = f.lower(*args).compile().as_text()
+  text = program.as_text()
   targets, counts = hlo_util.custom_call_targets(text), hlo_util.count_collectives(text)
   if any(t.startswith(target) for t in targets) and not any(counts.get(c) for c in forbidden):
     print(f"PASS {name} hlo", flush=True)
@@ -344,7 +366,8 @@ def check_fp8_ag(fmt, kind, batch, m, k, n):
                    (P(*b, None, "tp"), P("tp")))
   args = (global_array(x8, P(*b, "tp", None)), global_array(wt8, P("tp", None)),
           global_array(x_scale, xs_spec), global_array(w_scale, ws_spec))
-  y, x_full = f(*args)
+  program = compiled(f, args)
+  y, x_full = program(*args)
   check(name, y, want, tol=5e-3)
   same = all(np.array_equal(np.asarray(s.data).astype(np.float32), x8[None].astype(np.float32))
              for s in x_full.addressable_shards)
@@ -353,7 +376,7 @@ def check_fp8_ag(fmt, kind, batch, m, k, n):
   else:
     failures.append(f"{name} x_full: not x's FP8 values ({x_full.dtype})")
     print(f"FAIL {name} x_full ({x_full.dtype})", flush=True)
-  check_fp8_hlo(name, f, args, "jaxflux_all_gather_matmul")
+  check_fp8_hlo(name, program, "jaxflux_all_gather_matmul")
 
 
 def fp8_k_split(name, fmt, kind, batch, rows, k, n):
@@ -399,10 +422,10 @@ def check_fp8_rs(fmt, kind, batch, rows, k, n):
   args, in_specs, want = fp8_k_split(name, fmt, kind, batch, rows, k, n)
   body = lambda x, wt, xs, ws: jaxflux.matmul_reduce_scatter(  # noqa: E731
       x, wt, "tp", impl="fused", x_scale=xs, w_scale=ws, transpose_w=True)
-  f = shard_mapped(body, in_specs, P(*(None,) * len(batch), "tp", None))
+  program = compiled(shard_mapped(body, in_specs, P(*(None,) * len(batch), "tp", None)), args)
   # The kernel sums bfloat16 partials: one more rounding than the output's.
-  check(name, f(*args), want, tol=5e-3)
-  check_fp8_hlo(name, f, args, "jaxflux_matmul_reduce_scatter")
+  check(name, program(*args), want, tol=5e-3)
+  check_fp8_hlo(name, program, "jaxflux_matmul_reduce_scatter")
 
 
 def check_fp8_ar(fmt, kind, batch, rows, k, n):
@@ -412,15 +435,15 @@ def check_fp8_ar(fmt, kind, batch, rows, k, n):
   args, in_specs, want = fp8_k_split(name, fmt, kind, batch, rows, k, n)
   body = lambda x, wt, xs, ws: jaxflux.matmul_all_reduce(  # noqa: E731
       x, wt, "tp", impl="fused", x_scale=xs, w_scale=ws, transpose_w=True)
-  f = shard_mapped(body, in_specs, P())
-  out = f(*args)
+  program = compiled(shard_mapped(body, in_specs, P()), args)
+  out = program(*args)
   # The kernel sums bfloat16 partials, as GEMM+RS's does.
   check(name, out, want, tol=5e-3)
   if out.dtype != jnp.bfloat16 or out.shape != want.shape:
     failures.append(f"{name}: output {out.dtype} {out.shape}, want bfloat16 {want.shape}")
     print(f"FAIL {name} output {out.dtype} {out.shape}", flush=True)
   print_digest(name, out)
-  check_fp8_hlo(name, f, args, "jaxflux_matmul_all_reduce",
+  check_fp8_hlo(name, program, "jaxflux_matmul_all_reduce",
                 forbidden=("all-gather", "reduce-scatter", "all-reduce"))
 
 
@@ -540,15 +563,17 @@ def moe_reference(x, w1, w2, ids, weights, ct):
   return (np.asarray(z), np.concatenate(rows)) + tuple(np.asarray(g) for g in grads)
 
 
-def run_moe(dtypes):
+MOE_CASES = [  # (m tokens per rank, k, n, out, experts, topk, transpose_w)
+    (64, 256, 256, 256, 6, 2, False),
+    (13, 128, 128, 64, 8, 1, False),
+    (40, 128, 256, 128, 5, 3, True),
+    (128, 512, 512, 256, 8, 2, True),
+]
+
+
+def run_moe(dtypes, cases=MOE_CASES, back_to_back=True):
   """The MoE MLP on the fused MoE ops, forward and backward in one program (see MODE=moe), in
-  each of `dtypes`."""
-  cases = [  # (m tokens per rank, k, n, out, experts, topk, transpose_w)
-      (64, 256, 256, 256, 6, 2, False),
-      (13, 128, 128, 64, 8, 1, False),
-      (40, 128, 256, 128, 5, 3, True),
-      (128, 512, 512, 256, 8, 2, True),
-  ]
+  each of `dtypes`; with `back_to_back`, the first case's forward 20 times more."""
   for dtype in dtypes:
     for i, (m, k, n, out, experts, topk, tw) in enumerate(cases):
       name = f"moe {jnp.dtype(dtype).name} m={m} k={k} n={n} out={out} G={experts} top{topk}" + (
@@ -585,7 +610,8 @@ def run_moe(dtypes):
               global_array(w2.astype(dtype), w2_spec),
               global_array(d["ids"].reshape(tp, m, topk), P()),
               global_array(d["weights"], tokens), global_array(ct, tokens))
-      hlo = f.lower(*args).compile().as_text()
+      program = compiled(f, args)
+      hlo = program.as_text()
       targets = ("jaxflux_all_gather_grouped_matmul",
                  "jaxflux_grouped_matmul_reduce_scatter")
       if all(t in hlo for t in targets) and not any(
@@ -594,14 +620,14 @@ def run_moe(dtypes):
       else:
         failures.append(f"{name}: the program lacks a fused call or has an XLA collective")
         print(f"FAIL {name} hlo", flush=True)
-      outs = f(*args)
+      outs = program(*args)
       z_want, y_want, dx, dw1, dw2, dweights = want
       dw1 = dw1.transpose(0, 2, 1) if tw else dw1
       dw2 = dw2.transpose(0, 2, 1) if tw else dw2
       for out_name, got, ref in zip(("z", "y", "dx", "dw1", "dw2", "dweights"), outs,
                                     (z_want, y_want, dx, dw1, dw2, dweights)):
         check(f"{name} {out_name}", got, ref, tol=2e-2)
-      if i == 0:
+      if i == 0 and back_to_back:
         fwd = shard_mapped(lambda *a: model(*a)[0], in_specs[:5], tokens)
         results, refs = [], []
         for j in range(20):  # back to back, fresh data, no host sync
@@ -792,11 +818,11 @@ def print_choices():
   print(f"TUNING {tuning.active_tables().digest} {hashlib.sha256(text).hexdigest()}", flush=True)
 
 
-if MODE == "check":
+if MODE in ("check", "quick"):
   print_choices()
   print(f"RANKS PER GPU {_runtime.ranks_per_gpu()}", flush=True)
   with jax.set_mesh(mesh):
-    run_check()
+    run_check() if MODE == "check" else run_quick()
   if not SHARED_GPU:  # its all-gather is an XLA collective: NCCL takes one rank per GPU
     run_check_gathered_slots()
   _runtime.check_errors()

@@ -7,6 +7,7 @@ from test_command_buffers_gpu import run_worker
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_a_second_process_hits_the_cache_and_computes_the_same_bits(tmp_path):
   cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",

@@ -144,8 +144,9 @@ def test_benchmark_shapes_match_float32_reference(x_lead, k, n, fmt, request, re
   _check_kernels(request.node.callspec.id, x_lead, k, n, fmt, record_property)
 
 
+@pytest.mark.quick_once()  # the quick tier: e4m3 on the last, odd in every way at once
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("x_lead,k,n", [  # the quick tier: the last, odd in every way at once
+@pytest.mark.parametrize("x_lead,k,n", [
     pytest.param((1000,), 256, 512, id="M1000", marks=pytest.mark.slow),  # M not a tile multiple
     pytest.param((130,), 1024, 384, id="M130", marks=pytest.mark.slow),  # one tile and two rows
     pytest.param((1000,), 272, 144, id="K272-N144",  # K and N multiples of 16, not of any tile
@@ -158,6 +159,7 @@ def test_odd_shapes_match_float32_reference(x_lead, k, n, fmt, request, record_p
   _check_kernels(request.node.callspec.id, x_lead, k, n, fmt, record_property)
 
 
+@pytest.mark.quick_once()
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("x_lead,k,n", [
     pytest.param((1,), 4096, 1024, id="M1"),  # one token: the 16-token tile, 15 rows of padding

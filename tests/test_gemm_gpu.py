@@ -36,6 +36,7 @@ def test_matches_float32_reference(dtype, x_shape, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_fresh_data_and_bitwise_deterministic():
   f = jax.jit(gemm)
   for seed in range(3):
@@ -79,6 +80,7 @@ def test_unavailable_without_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.quick_once("kernel")
 @pytest.mark.parametrize("kernel", ["cutlass", "all_gather_matmul", "own_rows",
                                     "matmul_all_reduce"])
 @pytest.mark.parametrize("transpose_w", [False, True])
@@ -95,7 +97,7 @@ def test_every_kernel_matches_float32_reference(kernel, transpose_w, x_shape, n)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,n,shape_class", [
-    (4096, 2048, "few_waves"),
+    pytest.param(4096, 2048, "few_waves", marks=pytest.mark.slow),
     pytest.param(12288, 2048, "many_waves.wide_bands",  # 6144-row shards, 8 N tiles
                  marks=pytest.mark.slow),
     pytest.param(12288, 2560, "many_waves",  # 10 N tiles: swizzle 8 would pad N
@@ -230,6 +232,7 @@ def test_all_reduce_gemm_matches_float32_reference(dtype, tile, transpose_w, x_s
 
 
 @pytest.mark.gpu
+@pytest.mark.quick_once()
 @pytest.mark.parametrize("tile", ["cooperative_128x128_streamk", "swap_ab_streamk"])
 def test_stream_k_gemms_are_bitwise_deterministic(tile):
   """Stream-K sums the K splits of a tile in a fixed order (CUTLASS's deterministic reduction),
@@ -243,10 +246,10 @@ def test_stream_k_gemms_are_bitwise_deterministic(tile):
 
 
 def _decode_params():
-  """(dtype, transpose_w, m): bf16 at one row, 17 and 100 rows (each token width once) in the
-  quick tier; every other combination slow."""
-  quick = {(jnp.bfloat16, 1), (jnp.bfloat16, 17), (jnp.bfloat16, 100)}
-  return [pytest.param(dtype, tw, m, marks=() if (dtype, m) in quick else pytest.mark.slow,
+  """(dtype, transpose_w, m): bf16 at one row and 17 rows N-major, 100 rows K-major (each token
+  width and weight layout once) in the quick tier; every other combination slow."""
+  quick = {(jnp.bfloat16, False, 1), (jnp.bfloat16, False, 17), (jnp.bfloat16, True, 100)}
+  return [pytest.param(dtype, tw, m, marks=() if (dtype, tw, m) in quick else pytest.mark.slow,
                        id=f"{jnp.dtype(dtype).name}-{'kmajor' if tw else 'nmajor'}-M{m}")
           for dtype in (jnp.bfloat16, jnp.float16) for tw in (False, True)
           for m in (1, 3, 16, 17, 33, 64, 100, 128)]

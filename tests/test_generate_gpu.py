@@ -17,12 +17,13 @@ SMALL = ["--tp", "1", "--impl", "fused", "--dtype", "bfloat16", "--prompt-len", 
          "--vocab", "256", "--quiet"]
 
 
+# 19 to 25 s each on one H100: the full tier's.
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [
     pytest.param([], id="dense"),
-    # 25 s on one H100 (benchmarks/results/h100_gpu_test_durations.json): the full tier's.
-    pytest.param(["--moe", "4,2"], id="moe-top2", marks=pytest.mark.slow),
-    pytest.param(["--moe", "4,1"], id="moe-top1", marks=pytest.mark.slow),
-    pytest.param(["--batch", "1"], id="batch1", marks=pytest.mark.slow),
+    pytest.param(["--moe", "4,2"], id="moe-top2"),
+    pytest.param(["--moe", "4,1"], id="moe-top1"),
+    pytest.param(["--batch", "1"], id="batch1"),
 ])
 def test_decodes_with_the_fused_kernels_as_close_to_float32_as_flax(gen, extra):
   gpus = len(jax.devices("gpu")) if jaxflux.has_cuda() else 0

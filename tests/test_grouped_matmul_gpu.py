@@ -63,6 +63,7 @@ def reference_grads(x, w, sizes, ct, transpose_w):
 
 
 @pytest.mark.gpu
+@pytest.mark.quick_once("tile")
 @pytest.mark.parametrize("tile", tuning.GROUPED_TILES)
 @pytest.mark.parametrize("transpose_w", [False, True], ids=["w-GKN", "w-GNK"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -123,6 +124,7 @@ def test_routing_is_traced_and_each_call_uses_its_sizes():
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_bitwise_deterministic_and_fresh():
   m, k, n, sizes = 2048, 1024, 1024, (512, 1024, 0, 512)
   f = jax.jit(lambda x, w, gs: grouped_matmul(x, w, gs, impl="fused"))
@@ -137,6 +139,7 @@ def test_bitwise_deterministic_and_fresh():
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_many_small_groups_and_no_rows():
   """128 experts of ~16 rows (the decode side of an MoE layer), and a call with no rows."""
   g, k, n = 128, 512, 256
@@ -152,6 +155,7 @@ def test_many_small_groups_and_no_rows():
 
 
 @pytest.mark.gpu
+@pytest.mark.quick_once()
 @pytest.mark.parametrize("w_spec,loss_axes", [(P(), ("dp",)), (P("tp"), ("dp", "tp"))],
                          ids=["w-replicated", "w-expert-sharded"])
 def test_gradients_under_shard_map(w_spec, loss_axes):
@@ -186,6 +190,7 @@ FP8_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.quick_once("tile")
 @pytest.mark.parametrize("tile", tuning.GROUPED_TILES)
 @pytest.mark.parametrize("per_row", [False, True], ids=["per-tensor", "per-row-col"])
 @pytest.mark.parametrize("m,k,n,sizes", FP8_CASES)

@@ -5,10 +5,11 @@ Skipped unless jaxflux.has_cuda() and at least 2 GPUs. See tests/multiprocess_gp
 The same with tp = 2, 4 or 8 processes on one GPU (`shared`): the ranks' kernels take turns on
 it, which runs the fused ops' whole cross-rank protocol (IPC-mapped workspace, pushes, flags,
 bounded waits) on a one-GPU machine, so a change to the fused kernels can be checked for
-correctness without several GPUs. Those tests need one GPU; they say nothing of speed. tp=2 is
-in the quick tier, tp 4 and 8 in the full tier's tp4 and tp8 chunks (`ranks`). Among them: a
-random fuzz of all three fused ops (tests/fuzz_cases.py), the tensor-parallel MLP's forward and
-backward in one program, and the same for the MoE ops' expert MLP."""
+correctness without several GPUs. Those tests need one GPU; they say nothing of speed. The quick
+tier runs each fused op once at tp=2 and at tp=4, in one launch per group size; every other
+test is the full tier's, tp=2 in its ops chunk, tp 4 and 8 in its tp4 and tp8 chunks (`ranks`).
+Among them: a random fuzz of all three fused ops (tests/fuzz_cases.py), the tensor-parallel
+MLP's forward and backward in one program, and the same for the MoE ops' expert MLP."""
 import importlib.util
 import os
 import pathlib
@@ -104,20 +105,54 @@ def test_a_dead_peer_fails_the_survivor_within_the_timeout(launcher, tmp_path):
   _assert_every_wait_timed_out(_run(launcher, tmp_path, "die", timeout=120))
 
 
-@ranks()
-def test_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
-  results = _run(one_gpu_launcher, tmp_path, "check", timeout=_scaled(180, tp),
-                 shared=True, tp=tp)
-  assert _all_exited_cleanly(results), describe(results)
-  # Every rank reads the same device tables and makes the same kernel choices.
+def _assert_same_choices_and_shared_gpu(results, tp):
+  """Every rank reads the same device tables and makes the same kernel choices, and the runtime
+  sees the ranks share the GPU (so its fused GEMMs leave SMs to each other)."""
   tuning_lines = [re.findall(r"^TUNING [0-9a-f]{16} [0-9a-f]{64}$", out, re.M)
                   for _, out in results]
   assert len(tuning_lines[0]) == 1, describe(results)
   assert all(t == tuning_lines[0] for t in tuning_lines), describe(results)
+  for _, out in results:
+    assert f"RANKS PER GPU {tp}\n" in out, describe(results)
+
+
+def _assert_same_digests(results, count):
+  """Each replicated output (GEMM+AllReduce's) the same bits on every rank."""
+  digests = [re.findall(r"^DIGEST (.+) ([0-9a-f]{64})$", out, re.M) for _, out in results]
+  assert len(digests[0]) == count and all(d == digests[0] for d in digests), describe(results)
+
+
+# The quick tier's shared-GPU test: one launch per group size runs every fused op (the worker's
+# processes start and compile once for all of them).
+@ranks(quick=(2, 4), slow=())
+def test_each_fused_op_once_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
+  """AG+GEMM and GEMM+RS (values, gradients, back-to-back calls), GEMM+AllReduce, the three FP8
+  forms and the MoE ops' expert MLP forward and backward, once each, against float32 or
+  float64 references (the worker's MODE=quick)."""
+  results = _run(one_gpu_launcher, tmp_path, "quick", timeout=_scaled(240, tp),
+                 shared=True, tp=tp)
+  assert _all_exited_cleanly(results), describe(results)
+  _assert_same_choices_and_shared_gpu(results, tp)
+  for i, (_, out) in enumerate(results):
+    assert f"WORKER OK {i}" in out and "FAIL" not in out, describe(results)
+    for case in ("all_gather_matmul value", "matmul_reduce_scatter value", "gradient x",
+                 "gradient w", "ar decode M=16", "ar prefill M=2048"):
+      assert f"PASS {case}\n" in out, describe(results)
+    assert out.count("PASS back-to-back call") == 3, describe(results)
+    # ag: value, x_full, HLO; rs and ar: value, HLO; moe: HLO and 6 outputs
+    counts = {"PASS fp8 ag ": 3, "PASS fp8 rs ": 2, "PASS fp8 ar ": 2, "PASS moe ": 7}
+    assert {c: out.count(c) for c in counts} == counts, describe(results)
+  _assert_same_digests(results, 3)
+
+
+@ranks(quick=())
+def test_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
+  results = _run(one_gpu_launcher, tmp_path, "check", timeout=_scaled(180, tp),
+                 shared=True, tp=tp)
+  assert _all_exited_cleanly(results), describe(results)
+  _assert_same_choices_and_shared_gpu(results, tp)
   for i, (_, out) in enumerate(results):
     assert f"WORKER OK {i}" in out, describe(results)
-    # the runtime sees the ranks share the GPU, so its fused GEMMs leave SMs to each other
-    assert f"RANKS PER GPU {tp}\n" in out, describe(results)
     for case in ("all_gather_matmul value", "matmul_reduce_scatter value", "gradient x",
                  "gradient w"):
       assert f"PASS {case}\n" in out, describe(results)
@@ -138,7 +173,7 @@ def test_fused_op_matrix_sharing_one_gpu(one_gpu_launcher, tmp_path, mode, tp):
     assert out.count("PASS ag ") == 18 and out.count("PASS rs ") == 19, describe(results)
 
 
-@ranks()
+@ranks(quick=())
 def test_matmul_all_reduce_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
   """GEMM+AllReduce against float32 NumPy in both processes, and both processes' copies of each
   output the same bits (the worker prints a digest of its copy per case)."""
@@ -149,11 +184,10 @@ def test_matmul_all_reduce_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
     assert f"WORKER OK {i}" in out and "FAIL" not in out, describe(results)
     # 5 row cases, 8 odd/batched/fp16 ones, the gradient case's 3 checks, 8 back-to-back calls
     assert out.count("PASS ar ") == 24, describe(results)
-  digests = [re.findall(r"^DIGEST (.+) ([0-9a-f]{64})$", out, re.M) for _, out in results]
-  assert len(digests[0]) == 14 and all(d == digests[0] for d in digests), describe(results)
+  _assert_same_digests(results, 14)
 
 
-@ranks()
+@ranks(quick=())
 def test_fp8_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
   """FP8 all_gather_matmul, matmul_reduce_scatter and matmul_all_reduce, impl="fused": x e4m3 or
   e5m2 with an e4m3 weight given [n, K] (transpose_w=True), per-tensor scales that differ
@@ -171,14 +205,11 @@ def test_fp8_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
     assert out.count("PASS fp8 ag ") == 36 and out.count("PASS fp8 rs ") == 24, describe(results)
     # 2 formats x 2 scale kinds x 5 shapes: ar value, HLO
     assert out.count("PASS fp8 ar ") == 40, describe(results)
-  digests = [re.findall(r"^DIGEST (fp8 ar .+) ([0-9a-f]{64})$", out, re.M) for _, out in results]
-  assert len(digests[0]) == 20 and all(d == digests[0] for d in digests), describe(results)
+  _assert_same_digests(results, 20)
 
 
-# The quick tier runs bf16 (the two dtypes took 43 s on one H100,
-# benchmarks/results/h100_gpu_test_durations.json); the full tier both.
 @pytest.mark.parametrize("tp, dtypes", [
-    pytest.param(2, 1, id="tp2-bfloat16"),
+    pytest.param(2, 1, id="tp2-bfloat16", marks=pytest.mark.slow),
     pytest.param(2, 2, id="tp2-bfloat16-float16", marks=pytest.mark.slow),
     pytest.param(4, 1, id="tp4-bfloat16", marks=pytest.mark.slow),
     pytest.param(8, 1, id="tp8-bfloat16", marks=pytest.mark.slow)])
@@ -195,7 +226,7 @@ def test_moe_ops_sharing_one_gpu(one_gpu_launcher, tmp_path, tp, dtypes):
     assert out.count("PASS moe ") == dtypes * 4 * 7 + dtypes * 4, describe(results)
 
 
-@ranks()
+@ranks(quick=())
 def test_moe_layer_on_the_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
   """jaxflux.MoE with the experts' intermediate dimension and the tokens over 'tp' runs the fused
   MoE ops with no XLA collective, forward and backward (the router's kernel held fixed: its
