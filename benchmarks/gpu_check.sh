@@ -28,7 +28,8 @@
 #           jaxflux/tuning/tables/ and benchmarks/results/
 #   tables  the benchmark tables: the single-GPU GEMM tables (<gpu>_gemm_table.json,
 #           <gpu>_gemm_all_reduce.json, <gpu>_gemm_decode.json, and the FP8 one,
-#           <gpu>_fp8_gemm.json); with two or more
+#           <gpu>_fp8_gemm.json), the grouped GEMM's (<gpu>_grouped_gemm.json, against tokamax
+#           where .whl/tokamax holds its wheels); with two or more
 #           GPUs also both fused ops and the all-gather against XLA at tp=2. TABLES narrows
 #           them by output name (e.g. TABLES=h100_fp8_gemm).
 #   train   the training example (llama70b-8l preset, $TRAIN_STEPS steps, default 60) in modes
@@ -67,8 +68,8 @@ if stage wheel; then
   # A fresh venv that sees the packages python3 has (jax, flax, pytest; python3 may itself be a
   # venv's, whose packages --system-site-packages would not reach), but not the CUTLASS headers.
   python3 -m venv "$run_env"
-  python3 -c "import sysconfig; print(sysconfig.get_path('purelib'))" \
-    > "$("$run_env/bin/python" -c "import sysconfig; print(sysconfig.get_path('purelib'))")/base.pth"
+  purelib="import sysconfig; print(sysconfig.get_path('purelib'))"
+  python3 -c "$purelib" > "$("$run_env/bin/python" -c "$purelib")/base.pth"
   (cd "$tree" && export PATH="$run_env/bin:$no_nvcc" && unset PYTHONPATH CUDA_HOME \
     && ! command -v nvcc && python -m pip install -q --no-deps --no-index "$OUTDIR"/wheel/*.whl \
     && python -c "import importlib.util as u, jaxflux; assert not u.find_spec('cutlass_library')
@@ -161,6 +162,15 @@ if stage tables; then
   # call's time on a fresh machine; FP8_OF / FP8_M narrow them (e.g. FP8_OF=ag_gemm FP8_M=2048,4096).
   bench ${GPU_NAME}_fp8_gemm --op gemm --of "${FP8_OF:-ag_gemm,gemm_rs}" ${FP8_M:+--M "$FP8_M"} \
     --dtype float8_e4m3fn --variants xla_fp8_fast,fp8_gemm_only,quantize
+  # The grouped GEMM (forward and backward, with its roofline), against tokamax.ragged_dot where
+  # tokamax's wheels are in .whl/tokamax (`pip download` tokamax and its dependencies there for
+  # Python 3.12: the GPU machine has no network); GROUPED_ARGS narrows the rows.
+  if [[ -z "${TABLES:-}" || " $TABLES " == *" ${GPU_NAME}_grouped_gemm "* ]] && [[ -d .whl/tokamax ]]
+  then
+    python3 -m pip install -q --no-index --find-links .whl/tokamax tokamax || status=1
+  fi
+  bench ${GPU_NAME}_grouped_gemm --op grouped_gemm --backward --iters 30 --repeats 3 \
+    ${GROUPED_ARGS:-}
   if (( GPUS >= 2 )); then
     for op in ag_gemm gemm_rs; do
       bench "${GPU_NAME}x2_${op}_tp2" --op $op --tp 2 --M 2048,4096,8192 \

@@ -4,6 +4,7 @@ stand-in for it)."""
 import json
 import pathlib
 import re
+import sys
 from types import SimpleNamespace
 
 import jax
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxflux import bench
+from jaxflux.bench import grouped_roofline as gr
 from jaxflux.bench import grouped_table as gt
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -40,14 +42,15 @@ def _run(shapes_file, out, *extra):
 
 def test_arguments():
   args = bench.parse_args(["--op", "grouped_gemm"])
-  assert args.variants == ["fused", "ragged_dot", "dense", "fused_cooperative_128x256",
-                           "fused_pingpong_128x128"] and args.routing is None
+  assert args.variants == ["fused", "ragged_dot", "dense", "tokamax",
+                           "fused_cooperative_128x256", "fused_pingpong_128x128"]
+  assert args.routing is None
   args = bench.parse_args(["--op", "grouped_gemm", "--backward", "--routing", "dirichlet",
                            "--dtype", "float16", "--M", "128,256"])
   assert sorted(args.variants) == sorted(bench.OP_VARIANTS["grouped_gemm"])
   assert (args.routing, args.dtype, args.M) == (["dirichlet"], "float16", [128, 256])
   args = bench.parse_args(["--op", "grouped_gemm", "--variants", "dense", "--backward"])
-  assert args.variants == ["dense", "fused_bwd", "ragged_dot_bwd", "dense_bwd"]
+  assert args.variants == ["dense", "fused_bwd", "ragged_dot_bwd", "dense_bwd", "tokamax_bwd"]
   for bad in (["--routing", "zipf"], ["--variants", "xla"], ["--tp", "2"], ["--dtype", "int32"],
               ["--dtype", "float8_e4m3fn"], ["--of", "ag_gemm"]):
     with pytest.raises(SystemExit):
@@ -103,7 +106,7 @@ def test_rows_from_the_shapes_file():
   rows = gt.build_rows(_args(), shapes)
   assert [(r.name, r.experts) for r in rows[::2]] == [
       ("mixtral-fc1", 8), ("mixtral-fc2", 8), ("deepseek-v2-lite-fc1", 64),
-      ("qwen3-30b-a3b-fc1", 128)]
+      ("qwen3-30b-a3b-fc1", 128), ("qwen3-30b-a3b-fc2", 128)]
   assert [r.routing for r in rows[:2]] == ["even", "dirichlet"]
   assert all(r.M == 16384 and sum(r.group_sizes) == 16384 for r in rows)
   assert (rows[0].K, rows[0].N, rows[0].group_sizes) == (4096, 14336, (2048,) * 8)
@@ -198,7 +201,8 @@ def test_row_ratio_and_table_arithmetic():
   assert ratios["ragged_over_fused_bwd"] is None and ratios["ragged_dot_bwd_vs_dense_bwd"] is None
   assert record["errors"] == {"ragged_dot_bwd": "failed while timing: X",
                               "fused_cooperative_128x256": "not requested",
-                              "fused_pingpong_128x128": "not requested"}
+                              "fused_pingpong_128x128": "not requested",
+                              "tokamax": "not requested", "tokamax_bwd": "not requested"}
   assert [record[k] for k in ("group_sizes_min", "group_sizes_max", "empty_groups")] == [0, 40, 1]
   assert record["warnings"] == []
   # A time below moving the bytes once at 10 TB/s: the calls were dropped.
@@ -217,7 +221,7 @@ def test_row_ratio_and_table_arithmetic():
             "settings": {"variants": ["fused", "ragged_dot", "dense", "fused_bwd"]}}
   text = gt.format_table(result)
   assert "forward (2*M*K*N)" in text and "backward, dx and dw (4*M*K*N)" in text
-  assert re.search(r"t +64 dirichlet +4 +0-40 +1\.100 +4\.200 +0\.800 .* 0\.727 +3\.82", text)
+  assert re.search(r"t +64 dirichlet +4 +0-40 +1\.100 +4\.200 +- +0\.800 .* 0\.727 +3\.82", text)
   assert "fused_vs_dense: mean 0.614, worst 0.500 (t M=64 even), 2 of 2 rows" in text
   assert "ragged_dot_bwd: failed while timing: X" in text
   result["settings"]["variants"] = ["dense"]
@@ -269,5 +273,62 @@ def test_run_with_a_stand_in_fused_kernel(shapes_file, tmp_path, monkeypatch):
   assert row["ratios"]["ragged_over_fused"] == pytest.approx(
       row["ms"]["ragged_dot"] / row["ms"]["fused"], rel=1e-4)
   assert row["errors"] == {v: "not requested" for v in (
-      "ragged_dot_bwd", "dense_bwd", "fused_cooperative_128x256", "fused_pingpong_128x128")}
+      "ragged_dot_bwd", "dense_bwd", "fused_cooperative_128x256", "fused_pingpong_128x128",
+      "tokamax", "tokamax_bwd")}
   assert row["calls_per_run"]["fused"] == 2
+  # The roofline: both rates measured before the rows, each grouped variant's fraction.
+  rates = result["rates"]
+  assert rates["dense_tflops"] > 0 and rates["weight_read_tbps"] > 0 and not rates["errors"]
+  want = gr.roofline(row, rates)  # from the written values (6 digits)
+  assert row["roofline"]["ms"] == pytest.approx(want["ms"], rel=1e-4)
+  assert row["roofline"]["fraction"] == pytest.approx(want["fraction"], rel=1e-4)
+  assert set(row["roofline"]["fraction"]) == {"fused", "ragged_dot"}
+  assert result["summary"]["fused_of_roofline"]["rows"] == 1
+
+
+def test_roofline_is_the_slower_of_compute_and_the_weight_read():
+  rates = {"dense_tflops": 500.0, "weight_read_tbps": 2.0}
+  record = {"M": 1024, "K": 512, "N": 256, "experts": 8, "dtype": "bfloat16",
+            "ms": {"fused": 1.0, "ragged_dot": 4.0, "tokamax": None, "fused_bwd": 2.0}}
+  nbytes = (8 * 512 * 256 + 1024 * 512 + 1024 * 256) * 2
+  roof = gr.roofline(record, rates)
+  # compute 268M FLOP / 500 TFLOP/s = 0.54 us; bytes 3.7 MB / 2 TB/s = 1.8 us: the weight read
+  assert roof["bound"] == "memory" and roof["bytes"] == nbytes
+  assert roof["ms"] == pytest.approx(nbytes / 2e9)
+  assert roof["fraction"] == {"fused": pytest.approx(roof["ms"]),
+                              "ragged_dot": pytest.approx(roof["ms"] / 4)}
+  assert roof["fraction_fwd_bwd"] == {"fused": pytest.approx(3 * roof["ms"] / 3.0)}
+  record.update(M=8192, K=4096, N=4096)  # 275 GFLOP: 0.55 ms of compute, 0.33 of bytes
+  roof = gr.roofline(record, rates)
+  assert roof["bound"] == "compute"
+  assert roof["ms"] == pytest.approx(2 * 8192 * 4096 * 4096 / 500e9)
+  assert gr.roofline(record, {"dense_tflops": None, "weight_read_tbps": 2.0}) is None
+
+
+def test_tokamax_variant_without_tokamax(shapes_file, tmp_path, monkeypatch):
+  """Where tokamax is not installed the variant is null with the reason (pip install tokamax)."""
+  monkeypatch.setitem(sys.modules, "tokamax", None)  # import tokamax raises ImportError
+  result = _run(shapes_file, tmp_path / "t.json", "--routing", "even",
+                "--variants", "ragged_dot,tokamax")
+  (row,) = result["rows"]
+  assert row["ms"]["tokamax"] is None and row["ratios"]["tokamax_over_fused"] is None
+  assert "tokamax is not installed" in row["errors"]["tokamax"]
+  assert "pip install tokamax" in row["errors"]["tokamax"]
+
+
+def test_tokamax_variant_with_a_stand_in(shapes_file, tmp_path, monkeypatch):
+  """tokamax.ragged_dot replaced by lax.ragged_dot: its columns, ratio, check and roofline fill
+  in, forward and backward."""
+  monkeypatch.setattr(gt, "_tokamax", jax.lax.ragged_dot)
+  real = gt._grouped
+  monkeypatch.setattr(gt, "_grouped", lambda x, w, sizes, impl: real(x, w, sizes, "xla"))
+  result = _run(shapes_file, tmp_path / "t.json", "--routing", "dirichlet",
+                "--variants", "fused,tokamax", "--backward")
+  (row,) = result["rows"]
+  for v in ("tokamax", "tokamax_bwd"):
+    assert row["ms"][v] > 0 and row["rel_err"][v] < 1e-2, v
+  assert row["ratios"]["tokamax_over_fused"] == pytest.approx(
+      row["ms"]["tokamax"] / row["ms"]["fused"], rel=1e-4)
+  assert row["ratios"]["tokamax_over_fused_bwd"] > 0
+  assert set(row["roofline"]["fraction_fwd_bwd"]) == {"fused", "tokamax"}
+  assert "tokamax_fwd_bwd_of_roofline" in result["summary"]

@@ -12,7 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxflux.bench import device_clock, grouped_table, moe_table, processes, tuning_sweep
+from jaxflux.bench import (device_clock, grouped_roofline, grouped_table, moe_table, processes,
+                           tuning_sweep)
 from jaxflux.bench.config import (CHILD_MARKER, DEFAULT_VARIANTS, DEFINITIONS, EXTRA_VARIANTS,
                                   FP8_DTYPES, FP8_GEMM_VARIANTS, GEMM_FAMILIES,
                                   GEMM_VARIANTS, GROUPED_BACKWARD, GROUPED_FORWARD,
@@ -234,6 +235,8 @@ def _bench_rows(args, rows, mesh, variants, result, out_path, child, want_window
     measure = {"grouped_gemm": grouped_table.bench_row, "moe": moe_table.bench_row}.get(
         row.op, bench_row)
     record = measure(row, mesh, variants, args, log=log)
+    if row.op == "grouped_gemm":
+      record["roofline"] = grouped_roofline.roofline(record, result["rates"])
     record["key"] = row.key()
     if want_windowed:
       merge_windowed(record, child)
@@ -332,6 +335,8 @@ def run(argv: list[str] | None = None, log=print, progress=None) -> dict:
   # table when traced under jax.set_mesh; without it each call would all-gather them first.
   ambient = jax.set_mesh(mesh) if jax.process_count() > 1 else contextlib.nullcontext()
   with ambient:
+    if args.op == "grouped_gemm":  # the roofline's rates, measured before the rows
+      result["rates"] = grouped_roofline.measure_rates(mesh, args, log)
     _bench_rows(args, rows, mesh, variants, result, out_path, child, want_windowed, log,
                 progress)
   try:  # repo-relative where it can be, so committed records name no local folders

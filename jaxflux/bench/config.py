@@ -21,9 +21,11 @@ OP_VARIANTS = {
              "xla_own_rows_c", "own_rows", "xla_fp8_fast", "xla_fp8_promoted", "fp8_gemm_only",
              "cutlass_fp8_fast", "cutlass_fp8_promoted", "quantize"),
     # One device: the MoE grouped GEMM (grouped_table.py); the *_bwd variants with --backward;
-    # fused_<tile>: the kernel with each tile config (jaxflux.tuning.GROUPED_TILES) forced.
-    "grouped_gemm": ("fused", "ragged_dot", "dense", "fused_bwd", "ragged_dot_bwd", "dense_bwd",
-                     "fused_cooperative_128x256", "fused_pingpong_128x128"),
+    # fused_<tile>: the kernel with each tile config (jaxflux.tuning.GROUPED_TILES) forced;
+    # tokamax: tokamax.ragged_dot, autotuned (where tokamax is installed).
+    "grouped_gemm": ("fused", "ragged_dot", "dense", "tokamax", "fused_bwd", "ragged_dot_bwd",
+                     "dense_bwd", "tokamax_bwd", "fused_cooperative_128x256",
+                     "fused_pingpong_128x128"),
     # One device: the MoE layer's train step (moe_table.py), impl="fused" and impl="xla".
     "moe": ("fused", "ragged_dot"),
 }
@@ -36,14 +38,22 @@ GEMM_FAMILIES = ("ag_gemm", "gemm_rs", "gemm_ar")
 # The FP8 table's default families (prefill); its gemm_ar rows (decode) on request (--of).
 FP8_DEFAULT_FAMILIES = ("ag_gemm", "gemm_rs")
 GROUPED_VARIANTS = OP_VARIANTS["grouped_gemm"]
-GROUPED_TILE_VARIANTS = GROUPED_VARIANTS[6:]
-GROUPED_FORWARD = GROUPED_VARIANTS[:3] + GROUPED_TILE_VARIANTS
-GROUPED_BACKWARD = GROUPED_VARIANTS[3:6]
+GROUPED_BACKWARD = tuple(v for v in GROUPED_VARIANTS if v.endswith("_bwd"))
+GROUPED_TILE_VARIANTS = tuple(v for v in GROUPED_VARIANTS
+                              if v.startswith("fused_") and v not in GROUPED_BACKWARD)
+GROUPED_FORWARD = tuple(v for v in GROUPED_VARIANTS if v not in GROUPED_BACKWARD)
+# The variants whose fraction of the roofline a row records (dense reads one weight, not G).
+ROOFLINE_VARIANTS = ("fused", "ragged_dot", "tokamax") + GROUPED_TILE_VARIANTS
 # --op grouped_gemm: how routed rows are spread over the experts (--routing), the Dirichlet's
 # concentration (0.5: a skewed router, some experts near empty), and the default routed rows.
 ROUTINGS = ("even", "dirichlet")
 DIRICHLET_ALPHA = 0.5
 GROUPED_TABLE_M = (16384,)
+# --op grouped_gemm's roofline (grouped_table.measure_rates): the best dense GEMM rate from one
+# large dense GEMM, and the best weight-read rate from a few rows against a weight far larger
+# than L2, both through XLA's dot (cuBLAS) in the run's dtype, per platform: (M, K, N).
+ROOFLINE_RATE_SHAPES = {"gpu": {"compute": (8192, 8192, 8192), "weight_read": (16, 8192, 28672)},
+                        "cpu": {"compute": (512, 512, 512), "weight_read": (16, 512, 2048)}}
 # --op moe: the variants, the default tokens, the params' dtype, the weight of the
 # load-balancing loss in the step's loss, and the largest relative difference of the fused
 # step's loss (its output term) and gradients from ragged_dot's before a warning.
@@ -132,6 +142,16 @@ DEFINITIONS = {
     "ragged_over_fused": ("--op grouped_gemm: ms['ragged_dot'] / ms['fused'], the speedup of the "
                           "fused grouped GEMM over XLA's ragged dot; ragged_over_fused_bwd alike; "
                           "--op moe: the same for the MoE layer's train step"),
+    "tokamax_over_fused": ("--op grouped_gemm: ms['tokamax'] / ms['fused'], the fused grouped "
+                           "GEMM's speedup over tokamax.ragged_dot autotuned; "
+                           "tokamax_over_fused_bwd alike"),
+    "roofline": ("--op grouped_gemm: the least time the row's grouped GEMM can take, ms = "
+                 "max(2*M*K*N / rates.dense_tflops, bytes / rates.weight_read_tbps), bytes = "
+                 "every expert's weight, x and y once; `fraction`: ms over each grouped "
+                 "variant's time; `fraction_fwd_bwd`: 3 * ms over its forward + backward time"),
+    "rates": ("--op grouped_gemm: the roofline's rates on this device, measured before the rows "
+              "through XLA's dot in the run's dtype: dense_tflops from one large GEMM, "
+              "weight_read_tbps from a few rows against a weight far past L2 (shapes: M, K, N)"),
     "tflops_moe": ("--op moe: 3 * (2*M*hidden*E + 2*M*k*hidden*I * projections) / time, the "
                    "step's matmul FLOPs (router and expert MLP, forward and backward)"),
     "expert_rows": ("--op moe: (token, expert) pairs the router sends to each expert on the "

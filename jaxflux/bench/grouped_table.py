@@ -16,12 +16,23 @@ Variants, timed side by side (interleaved repeats) as for the other ops:
   ragged_dot      jaxflux.grouped_matmul(impl="xla"): lax.ragged_dot_general
   dense           one XLA dot x [M, K] @ w_dense [K, N]: the FLOPs of the grouped GEMM in one
                   dense GEMM (cuBLAS), the bar a grouped GEMM is measured against
+  tokamax         tokamax.ragged_dot (its own order of implementations: Mosaic GPU, Triton,
+                  XLA) with the configuration its autotuner picks for the shape (a cache miss
+                  autotunes, inside the variant's compile); null, with the reason, where
+                  tokamax is not installed
   *_bwd           (--backward) dx and dw of each, through jax.vjp, given dy [M, N]: the forward's
                   output is unused, so the compiler drops it and only the backward is timed
 FLOPs: 2*M*K*N forward, 4*M*K*N backward, for every routing (the sizes sum to M). Each variant
 rotates among as many input sets as its own inputs need to stay out of L2 (--rotate-mib, as
 the GEMM table does), and its output is checked against float32 products computed expert by
 expert without ragged_dot (rel_err).
+
+Roofline: the least time a grouped GEMM can take, max(2*M*K*N / dense rate, bytes / weight-read
+rate), bytes = every expert's weight, x and y once; both rates measured in the same run before
+the rows (measure_rates: one large dense GEMM, and a few rows against a weight far past L2, on
+XLA's dot). Each grouped variant's fraction of it: roofline / ms forward, and 3 * roofline /
+(ms forward + ms backward) for forward + backward (the backward's two products each cost
+about a forward).
 """
 from __future__ import annotations
 
@@ -39,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxflux.bench.config import (DIRICHLET_ALPHA, FLOOR_BANDWIDTH, GROUPED_BACKWARD,
                                   GROUPED_TABLE_M, GROUPED_TILE_VARIANTS, GROUPED_VARIANTS,
-                                  ROUTINGS)
+                                  ROOFLINE_VARIANTS, ROUTINGS)
 from jaxflux.bench.inputs import random_input
 from jaxflux.bench.measure import error_text, prepare, relative_error
 from jaxflux.bench.summary import ratio
@@ -53,9 +64,11 @@ from jaxflux.ops.grouped_matmul import grouped_matmul
 RATIOS = {"fused_vs_dense": ("dense", "fused"),
           "ragged_dot_vs_dense": ("dense", "ragged_dot"),
           "ragged_over_fused": ("ragged_dot", "fused"),
+          "tokamax_over_fused": ("tokamax", "fused"),
           "fused_bwd_vs_dense_bwd": ("dense_bwd", "fused_bwd"),
           "ragged_dot_bwd_vs_dense_bwd": ("dense_bwd", "ragged_dot_bwd"),
-          "ragged_over_fused_bwd": ("ragged_dot_bwd", "fused_bwd")}
+          "ragged_over_fused_bwd": ("ragged_dot_bwd", "fused_bwd"),
+          "tokamax_over_fused_bwd": ("tokamax_bwd", "fused_bwd")}
 _IMPLS = {"fused": "fused", "ragged_dot": "xla"}
 
 
@@ -157,10 +170,23 @@ def _with_tile(x, w, sizes, tile: str):
     return _grouped(x, w, sizes, "fused")
 
 
+def _tokamax(x, w, sizes):
+  """tokamax.ragged_dot, autotuned where its cache has no configuration for the shape."""
+  try:
+    import tokamax
+  except ImportError as e:
+    raise ImportError(f"tokamax is not installed ({e}); `pip install tokamax` (Python >= 3.12, "
+                      "jax >= 0.11.1) adds this variant") from e
+  with tokamax.config.autotuning_cache_miss_fallback("autotune"):
+    return tokamax.ragged_dot(x, w, sizes)
+
+
 def _forward(base: str) -> Callable:
   """The forward of a variant family: dense (x, w_dense) or grouped (x, w, group_sizes)."""
   if base == "dense":
     return jnp.dot
+  if base == "tokamax":
+    return _tokamax
   if base in GROUPED_TILE_VARIANTS:
     tile = base.removeprefix("fused_")
     return lambda x, w, sizes: _with_tile(x, w, sizes, tile)
@@ -249,8 +275,9 @@ def _reference(name: str, row: GroupedRow) -> Callable:
     return lax.fori_loop(0, row.experts, body, zeros)
 
   return {"dense": _dot, "dense_bwd": lambda x, w, dy: (_dot(dy, w.T), _dot(x.T, dy)),
-          "fused": grouped, "ragged_dot": grouped,
+          "fused": grouped, "ragged_dot": grouped, "tokamax": grouped,
           "fused_bwd": grouped_grads, "ragged_dot_bwd": grouped_grads,
+          "tokamax_bwd": grouped_grads,
           **{tiled: grouped for tiled in GROUPED_TILE_VARIANTS}}[name]
 
 
@@ -374,11 +401,25 @@ def _row_label(r: dict) -> str:
   return f"{r['name']} M={r['M']} {r['routing']}"
 
 
-def summarize_table(rows: list[dict]) -> dict[str, Any]:
-  """Per ratio: rows measured, mean, and the worst (lowest: every ratio is higher-is-better)."""
-  out: dict[str, Any] = {}
+def _summary_values(rows: list[dict]) -> dict[str, list[tuple[float, str]]]:
+  """(value, row label) per summary key: each ratio, and each variant's roofline fractions
+  (`<variant>_of_roofline`, `<variant>_fwd_bwd_of_roofline`)."""
+  values: dict[str, list[tuple[float, str]]] = {}
   for key in RATIOS:
-    pairs = [(r["ratios"][key], _row_label(r)) for r in rows if r["ratios"].get(key) is not None]
+    values[key] = [(r["ratios"][key], _row_label(r)) for r in rows
+                   if r["ratios"].get(key) is not None]
+  for v in ROOFLINE_VARIANTS:
+    for part, suffix in (("fraction", "of_roofline"), ("fraction_fwd_bwd", "fwd_bwd_of_roofline")):
+      values[f"{v}_{suffix}"] = [(r["roofline"][part][v], _row_label(r)) for r in rows
+                                 if (r.get("roofline") or {}).get(part, {}).get(v) is not None]
+  return values
+
+
+def summarize_table(rows: list[dict]) -> dict[str, Any]:
+  """Per ratio and roofline fraction: rows measured, mean, and the worst (lowest: each is
+  higher-is-better)."""
+  out: dict[str, Any] = {}
+  for key, pairs in _summary_values(rows).items():
     if not pairs:
       continue
     worst = min(pairs)
@@ -390,21 +431,26 @@ def summarize_table(rows: list[dict]) -> dict[str, Any]:
 
 def _block(rows: list[dict], suffix: str) -> list[str]:
   """One table line per row for the forward variants (suffix "") or the backward ("_bwd")."""
-  fused, ragged, dense = (f"{v}{suffix}" for v in ("fused", "ragged_dot", "dense"))
+  fused, ragged, dense, toka = (f"{v}{suffix}" for v in ("fused", "ragged_dot", "dense",
+                                                           "tokamax"))
   title = "backward, dx and dw (4*M*K*N)" if suffix else "forward (2*M*K*N)"
-  lines = [f"{title}: ms per call, TF/s; f/dense = fused's TF/s over dense's, r/f = "
-           "ragged_dot's time over fused's",
+  part = "fraction_fwd_bwd" if suffix else "fraction"
+  lines = [f"{title}: ms per call, TF/s; f/dense = fused's TF/s over dense's, r/f and t/f = "
+           "ragged_dot's and tokamax's time over fused's, roof = fused's fraction of the "
+           "roofline" + (" (forward + backward against three forwards')" if suffix else ""),
            f"{'name':<22}{'M':>7} {'routing':<10}{'G':>4}{'rows/expert':>13}"
-           f"{'fused':>9}{'ragged':>9}{'dense':>9}{'TF fused':>10}{'TF dense':>10}"
-           f"{'f/dense':>9}{'r/f':>7}"]
+           f"{'fused':>9}{'ragged':>9}{'tokamax':>9}{'dense':>9}{'TF fused':>10}"
+           f"{'TF dense':>10}{'f/dense':>9}{'r/f':>7}{'t/f':>7}{'roof':>7}"]
   for r in rows:
     ms, tf, ratios = r["ms"], r["tflops"], r["ratios"]
+    roof = (r.get("roofline") or {}).get(part, {}).get("fused")
     spread = f"{r['group_sizes_min']}-{r['group_sizes_max']}"
     lines.append(f"{r['name']:<22}{r['M']:>7} {r['routing']:<10}{r['experts']:>4}{spread:>13}"
-                 f"{fmt(ms[fused]):>9}{fmt(ms[ragged]):>9}{fmt(ms[dense]):>9}"
+                 f"{fmt(ms[fused]):>9}{fmt(ms[ragged]):>9}{fmt(ms[toka]):>9}{fmt(ms[dense]):>9}"
                  f"{fmt(tf[fused], '.1f'):>10}{fmt(tf[dense], '.1f'):>10}"
                  f"{fmt(ratios[f'{fused}_vs_{dense}']):>9}"
-                 f"{fmt(ratios[f'ragged_over_fused{suffix}'], '.2f'):>7}")
+                 f"{fmt(ratios[f'ragged_over_fused{suffix}'], '.2f'):>7}"
+                 f"{fmt(ratios[f'tokamax_over_fused{suffix}'], '.2f'):>7}{fmt(roof, '.2f'):>7}")
   return lines
 
 
@@ -416,6 +462,10 @@ def format_table(result: dict) -> str:
   lines = _block(rows, "")
   if any(v in GROUPED_BACKWARD for v in result["settings"]["variants"]):
     lines += _block(rows, "_bwd")
+  rates = result.get("rates") or {}
+  lines.append(f"roofline rates (XLA's dot, this run): dense "
+               f"{fmt(rates.get('dense_tflops'), '.1f')} TFLOP/s, weight read "
+               f"{fmt(rates.get('weight_read_tbps'), '.2f')} TB/s")
   for key, s in result.get("summary", {}).items():
     lines.append(f"{key}: mean {fmt(s['mean'])}, worst {fmt(s['worst'])} ({s['worst_row']}), "
                  f"{s['rows']} of {s['of_rows']} rows")
