@@ -348,22 +348,55 @@ def test_expert_parallel_dispatch_matches_and_sends_only_rows(devices, num_exper
   assert "all_to_all" in primitives and "all_gather" not in primitives, primitives
 
 
+EP_RULES = (("exp", "ep"),)
+
+
+def expert_parallel_grads(layer, params, x):
+  """(mesh, the layer's loss gradient function, the params and x placed for it) with the
+  experts and the tokens over an 8-device "ep" axis; trace the function under
+  `jax.set_mesh(mesh)` and `nn.logical_axis_rules(EP_RULES)`."""
+  mesh = mesh_of((8,), ("ep",))
+  boxes = jax.eval_shape(layer.init, jax.random.key(0), x)["params"]
+  sharded = {k: jax.device_put(v, NamedSharding(mesh, mesh_spec(boxes[k].names, EP_RULES)))
+             for k, v in params.items()}
+  loss = lambda p, x: sum_of_squares(layer.apply({"params": p}, x))  # noqa: E731
+  return mesh, jax.grad(loss, argnums=(0, 1)), sharded, jax.device_put(
+      x, NamedSharding(mesh, P("ep")))
+
+
+def test_expert_parallel_gpu_program_moves_rows_by_ragged_all_to_all():
+  """Lowered for CUDA (jax.export: no GPU needed), the expert-parallel train step moves its rows
+  and ids with XLA's ragged all-to-all, there and back, forward and backward; the all_to_all
+  equivalent the CPU runs (the test above) is not in it, only the row counts' small
+  all-to-alls."""
+  layer = jaxflux.MoE(8, 2, INTER)
+  mesh, grads, params, x = expert_parallel_grads(
+      layer, random_params(31, 8, "swiglu"), random_x(32, (24, HIDDEN)))
+  with jax.set_mesh(mesh), nn.logical_axis_rules(EP_RULES):
+    exported = jax.export.export(
+        jax.jit(grads), platforms=("cuda",),
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")])(
+            params, x)
+  text = exported.mlir_module()
+  ragged = text.count("@ragged_all_to_all(")
+  # forward: rows and ids out, rows back; backward: the transposes of the two row exchanges
+  assert ragged >= 5, ragged
+  # every plain all-to-all carries [devices] int32 counts or offsets, none a row
+  all_to_alls = [line for line in text.splitlines() if '"stablehlo.all_to_all"' in line]
+  assert all_to_alls and all(re.search(r"-> tensor<8xi32>", a) for a in all_to_alls)
+
+
 def test_expert_parallel_dispatch_runs_the_grouped_kernel(fake_hopper):
   """impl="fused" under expert parallelism: each device's experts on the grouped GEMM kernel
-  (traced, not run), forward and backward, the rows moved by XLA's all-to-all."""
-  mesh = mesh_of((8,), ("ep",))
+  (traced, not run), forward and backward, the rows moved by the ragged exchange."""
   layer = jaxflux.MoE(8, 2, 32, impl="fused", dtype=jnp.bfloat16)
-  params, x = random_params(29, 8, "swiglu", inter=32), random_x(30, (16, HIDDEN))
-  with jax.set_mesh(mesh), nn.logical_axis_rules((("exp", "ep"),)):
-    boxes = jax.eval_shape(layer.init, jax.random.key(0), x)["params"]
-    sharded = {k: jax.device_put(v, NamedSharding(mesh, mesh_spec(boxes[k].names,
-                                                                  (("exp", "ep"),))))
-               for k, v in params.items()}
-    xs = jax.device_put(x, NamedSharding(mesh, P("ep")))
-    loss = lambda p, x: sum_of_squares(layer.apply({"params": p}, x))  # noqa: E731
-    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(sharded, xs)
+  mesh, grads, params, x = expert_parallel_grads(
+      layer, random_params(29, 8, "swiglu", inter=32), random_x(30, (16, HIDDEN)))
+  with jax.set_mesh(mesh), nn.logical_axis_rules(EP_RULES):
+    jaxpr = jax.make_jaxpr(grads)(params, x)
   assert {target for target, _ in ffi_calls(jaxpr)} == {"jaxflux_grouped_gemm"}
-  assert "all_to_all" in {eqn.primitive.name for eqn in equations(jaxpr)}
+  primitives = {eqn.primitive.name for eqn in equations(jaxpr)}
+  assert {"ragged_all_to_all", "all_to_all"} <= primitives, primitives
 
 
 # Tensor parallelism with sequence-parallel tokens (the intermediate dimension and the tokens on

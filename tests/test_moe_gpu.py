@@ -90,6 +90,32 @@ def test_moe_ops_at_tp1_run_the_grouped_kernel(transpose_w):
 
 
 @pytest.mark.gpu
+def test_expert_parallel_layer_runs_the_ragged_all_to_all():
+  """The experts over a one-device "ep" axis with the tokens (the expert-parallel path): on a GPU
+  the rows move by XLA's ragged all-to-all (in the lowered program), and the layer's output
+  and gradients equal the same layer's without a mesh."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((1,), ("ep",), (AxisType.Explicit,), devices=jax.devices()[:1])
+  layer = jaxflux.MoE(4, 2, 128, impl="xla", dtype=jnp.float32,
+                      precision=jax.lax.Precision.HIGHEST)  # float32 products, no TF32
+  x = jax.random.normal(jax.random.key(7), (96, 64), jnp.float32)
+  params = nn.unbox(jax.jit(layer.init)(jax.random.key(8), x)["params"])
+  loss = lambda p, x: jnp.sum(jnp.square(layer.apply({"params": p}, x)))  # noqa: E731
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  want_loss, want = grad(params, x)
+  with jax.set_mesh(mesh), nn.logical_axis_rules((("exp", "ep"),)):
+    xs = jax.device_put(x, NamedSharding(mesh, P("ep")))
+    # the experts' weights on "ep" (their expert dimension), the router's kernel replicated
+    params = {k: jax.device_put(v, NamedSharding(mesh, P() if k == "gate" else P("ep")))
+              for k, v in params.items()}
+    assert "ragged_all_to_all" in grad.lower(params, xs).as_text()
+    got_loss, got = grad(params, xs)
+  assert rel_err(got_loss, want_loss) <= 1e-5
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert rel_err(a, b) <= 1e-4
+
+
+@pytest.mark.gpu
 @pytest.mark.slow
 def test_fused_layer_under_a_mesh_with_expert_rules():
   """Under jax.set_mesh with the experts' intermediate dimension on tp (the layer's shard_map

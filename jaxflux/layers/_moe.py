@@ -19,7 +19,7 @@ where one axis alone splits the intermediate dimension and the tokens (tensor pa
 sequence-parallel tokens), that gather, the grouped matmuls and the reduce-scatter are the
 fused MoE ops (`all_gather_grouped_matmul`, `grouped_matmul_reduce_scatter`); where one axis
 alone splits the experts and the tokens (expert parallelism), each (token, expert) row goes to
-its expert's device and back by all-to-all (`expert_parallel_experts`). Otherwise a device
+its expert's device and back by a ragged all-to-all (`expert_parallel_experts`). Otherwise a device
 keeps all T * k rows of the tokens it sees, the static worst case: rows routed to other
 devices' experts sort past its groups, where grouped_matmul gives zeros.
 """
@@ -39,6 +39,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 from jaxflux.layers import _layer_mesh as lm
 from jaxflux.ops import (all_gather_grouped_matmul, grouped_matmul,
                          grouped_matmul_reduce_scatter, moe_routing)
+from jaxflux.ops._ragged_exchange import ragged_all_to_all
 from jaxflux.ops.moe_routing import sort_by_expert
 
 ACTIVATIONS = ("swiglu", "gelu")
@@ -257,36 +258,42 @@ def _activation(activation: str, h: list):
 def expert_parallel_experts(x, weights, experts, wi, wo, *, axis: str, activation: str,
                             impl: str, precision, dtype):
   """expert_mlp for this device's tokens with the experts split over `axis` and the tokens too:
-  each (token, expert) pair's row goes to its expert's device (an all-to-all), through that
-  device's experts, and back (a second all-to-all), then the top k are combined here. Dropless:
-  each device sends each peer a buffer for all of its m*k pairs, the static worst case (the
-  pairs beyond a peer's count are zeros, which its experts skip). x [m, H], weights (float32)
-  and experts [m, k] (global ids) -> [m, H]."""
+  each (token, expert) pair's row goes to its expert's device (a ragged all-to-all), through
+  that device's experts, and back (a second one), then the top k are combined here. Dropless:
+  each device keeps a slot of m*k rows per sender, the static worst case; on GPUs only the
+  rows sent travel (jaxflux.ops._ragged_exchange). x [m, H], weights (float32) and experts
+  [m, k] (global ids) -> [m, H]."""
   ranks, local = lax.axis_size(axis), wo.shape[0]
   m, k = experts.shape
   pairs = m * k
   flat = experts.reshape(-1)
   valid = (flat >= 0) & (flat < ranks * local)
   dest = jnp.where(valid, flat // local, ranks)  # ranks: routed nowhere, sent nowhere
-  # Each pair's place in its destination's block: its rank among the pairs bound there, from
-  # the pairs sorted by destination (the expert sort, with devices for experts).
-  sizes, _, sorted_place, _ = sort_by_expert(dest[None], ranks)
-  starts = jnp.cumsum(sizes[0]) - sizes[0]
-  place = sorted_place[0] - starts[jnp.clip(dest, 0, ranks - 1)]
-  rows = jnp.take(x.astype(dtype), jnp.arange(pairs) // k, axis=0)
-  send = jnp.zeros((ranks, pairs, x.shape[-1]), dtype).at[dest, place].set(rows, mode="drop")
-  # The receiver's local expert of each row; `local` (no expert) for the unused places.
-  ids = jnp.full((ranks, pairs), local, jnp.int32).at[dest, place].set(
-      (flat - dest * local).astype(jnp.int32), mode="drop")
-  recv = lax.all_to_all(send, axis, 0, 0)
-  recv_ids = lax.all_to_all(ids, axis, 0, 0)
+  # The pairs sorted by destination (the expert sort, with devices for experts): device p's
+  # rows are sorted[starts[p] : starts[p] + sizes[p]], the pairs routed nowhere last.
+  sizes, order, sorted_place, _ = (a[0] for a in sort_by_expert(dest[None], ranks))
+  starts = jnp.cumsum(sizes) - sizes
+  rows = jnp.take(x.astype(dtype), order // k, axis=0)
+  ids = jnp.take(flat - dest * local, order).astype(jnp.int32)  # the receiver's local expert
+  # Sender p's rows land in slot p (rows p*pairs onward) of each receiver; unused places hold
+  # zeros and `local` (no expert), which the experts skip.
+  received = lax.all_to_all(sizes, axis, 0, 0, tiled=True)  # [p]: rows p sends here
+  slots = jnp.arange(ranks, dtype=jnp.int32) * pairs
+  mine = jnp.broadcast_to(lax.axis_index(axis).astype(jnp.int32) * pairs, (ranks,))
+  exchange = functools.partial(ragged_all_to_all, input_offsets=starts, send_sizes=sizes,
+                               output_offsets=mine, recv_sizes=received, axis=axis)
+  recv = exchange(rows, jnp.zeros((ranks * pairs, x.shape[-1]), dtype))
+  recv_ids = exchange(ids, jnp.full((ranks * pairs,), local, jnp.int32))
   ones = jnp.ones((ranks * pairs, 1), jnp.float32)
-  done = expert_mlp(recv.reshape(ranks * pairs, -1), ones, recv_ids.reshape(-1, 1), wi, wo,
-                    activation=activation, impl=impl, precision=precision, dtype=dtype)
-  back = lax.all_to_all(done.reshape(ranks, pairs, -1), axis, 0, 0)
-  # Each pair's row from where it went (a pair routed nowhere reads a zero), weighted and summed
-  # over its top k in float32, like expert_mlp.
-  picked = back.at[dest, place].get(mode="fill", fill_value=0).reshape(m, k, -1)
+  done = expert_mlp(recv, ones, recv_ids[:, None], wi, wo, activation=activation, impl=impl,
+                    precision=precision, dtype=dtype)
+  # Back to each sender's destination-sorted order: slot p's rows to device p, where this
+  # device's rows started (a pair routed nowhere reads a zero).
+  back = ragged_all_to_all(done, jnp.zeros((pairs, done.shape[-1]), done.dtype), slots,
+                           received, lax.all_to_all(starts, axis, 0, 0, tiled=True), sizes,
+                           axis=axis)
+  # Each pair's row, weighted and summed over its top k in float32, like expert_mlp.
+  picked = jnp.take(back, sorted_place, axis=0).reshape(m, k, -1)
   y = jnp.einsum("mkh,mk->mh", picked.astype(jnp.float32), weights, precision=precision)
   return y.astype(dtype)
 
