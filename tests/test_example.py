@@ -60,7 +60,8 @@ def train_step_hlo(example, argv) -> str:
 @pytest.mark.parametrize(
     "extra, dp, tp",
     [
-        (["--tp", "8"], 1, 8),
+        # 9 s each on 2 cores: the README's test command keeps the dp x tp one
+        pytest.param(["--tp", "8"], 1, 8, marks=pytest.mark.slow),
         (["--tp", "4", "--activation", "swiglu"], 2, 4),
     ],
     ids=["tp8", "dp2-tp4-swiglu"],
