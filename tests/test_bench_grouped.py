@@ -15,6 +15,7 @@ import pytest
 from jaxflux import bench
 from jaxflux.bench import grouped_roofline as gr
 from jaxflux.bench import grouped_table as gt
+from jaxflux.bench import routings
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHAPES = {"grouped_gemm": [{"name": "tiny-moe", "K": 32, "N": 16, "experts": 4},
@@ -42,7 +43,7 @@ def _run(shapes_file, out, *extra):
 
 def test_arguments():
   args = bench.parse_args(["--op", "grouped_gemm"])
-  assert args.variants == ["fused", "ragged_dot", "dense", "tokamax",
+  assert args.variants == ["fused", "ragged_dot", "dense", "tokamax", "fused_fp8",
                            "fused_cooperative_128x256", "fused_pingpong_128x128"]
   assert args.routing is None
   args = bench.parse_args(["--op", "grouped_gemm", "--backward", "--routing", "dirichlet",
@@ -64,34 +65,34 @@ def test_arguments():
 
 @pytest.mark.parametrize("M,G", [(16384, 8), (16384, 128), (64, 4), (5, 8), (0, 3), (1001, 64)])
 def test_routings_sum_to_M_without_negatives(M, G):
-  even = gt.even_sizes(M, G)
+  even = routings.even_sizes(M, G)
   assert sum(even) == M and max(even) - min(even) <= (1 if M % G else 0)
   assert even == sorted(even, reverse=True)  # the remainder on the first experts
   for seed in (0, 1, 7):
-    sizes = gt.dirichlet_sizes(M, G, seed)
+    sizes = routings.dirichlet_sizes(M, G, seed)
     assert len(sizes) == G and sum(sizes) == M and min(sizes) >= 0
     assert all(isinstance(s, int) for s in sizes)
 
 
 def test_dirichlet_is_deterministic_and_skewed():
-  a = gt.dirichlet_sizes(16384, 64, seed=0)
-  assert a == gt.dirichlet_sizes(16384, 64, seed=0)
-  assert a != gt.dirichlet_sizes(16384, 64, seed=1)
+  a = routings.dirichlet_sizes(16384, 64, seed=0)
+  assert a == routings.dirichlet_sizes(16384, 64, seed=0)
+  assert a != routings.dirichlet_sizes(16384, 64, seed=1)
   assert max(a) > 2 * 16384 // 64  # Dirichlet(0.5): some experts take far more than M/G
   # The same shares at every M: twice the rows, about twice each expert's.
-  b = gt.dirichlet_sizes(32768, 64, seed=0)
+  b = routings.dirichlet_sizes(32768, 64, seed=0)
   assert all(abs(y - 2 * x) <= 2 for x, y in zip(a, b))
-  assert gt.group_sizes("dirichlet", 100, 4, 3) == gt.dirichlet_sizes(100, 4, 3)
+  assert routings.group_sizes("dirichlet", 100, 4, 3) == routings.dirichlet_sizes(100, 4, 3)
   with pytest.raises(ValueError, match="unknown routing"):
-    gt.group_sizes("zipf", 100, 4, 0)
+    routings.group_sizes("zipf", 100, 4, 0)
 
 
 def test_round_to_total_is_largest_remainder():
   # 10 * (0.15, 0.25, 0.6) = 1.5, 2.5, 6: floors 1, 2, 6 and one row short; the tie of .5
   # goes to the lower index.
-  assert gt.round_to_total(np.array([0.15, 0.25, 0.6]), 10) == [2, 2, 6]
-  assert gt.round_to_total(np.array([1.0, 1.0, 1.0]), 7) == [3, 2, 2]
-  assert gt.round_to_total(np.array([0.0, 1.0]), 5) == [0, 5]
+  assert routings.round_to_total(np.array([0.15, 0.25, 0.6]), 10) == [2, 2, 6]
+  assert routings.round_to_total(np.array([1.0, 1.0, 1.0]), 7) == [3, 2, 2]
+  assert routings.round_to_total(np.array([0.0, 1.0]), 5) == [0, 5]
 
 
 # --- rows, inputs, variants ---------------------------------------------------------------------
@@ -202,7 +203,8 @@ def test_row_ratio_and_table_arithmetic():
   assert record["errors"] == {"ragged_dot_bwd": "failed while timing: X",
                               "fused_cooperative_128x256": "not requested",
                               "fused_pingpong_128x128": "not requested",
-                              "tokamax": "not requested", "tokamax_bwd": "not requested"}
+                              "tokamax": "not requested", "tokamax_bwd": "not requested",
+                              "fused_fp8": "not requested"}
   assert [record[k] for k in ("group_sizes_min", "group_sizes_max", "empty_groups")] == [0, 40, 1]
   assert record["warnings"] == []
   # A time below moving the bytes once at 10 TB/s: the calls were dropped.
@@ -244,10 +246,11 @@ def test_run_without_the_fused_kernel(shapes_file, tmp_path):
   even, skewed = result["rows"]
   assert (even["routing"], skewed["routing"]) == ("even", "dirichlet")
   assert even["group_sizes"] == [16] * 4 and sum(skewed["group_sizes"]) == 64
-  assert skewed["group_sizes"] == gt.dirichlet_sizes(64, 4, 0)
+  assert skewed["group_sizes"] == routings.dirichlet_sizes(64, 4, 0)
   for row in (even, skewed):
     assert row["ms"]["fused"] is None and row["ms"]["fused_bwd"] is None
-    assert row["errors"]["fused"].startswith("FusedKernelUnavailableError")
+    for v in ("fused", "fused_fp8"):
+      assert row["errors"][v].startswith("FusedKernelUnavailableError"), row["errors"][v]
     assert row["ratios"]["fused_vs_dense"] is None and row["ratios"]["ragged_over_fused"] is None
     for v in ("ragged_dot", "dense", "ragged_dot_bwd", "dense_bwd"):
       assert row["ms"][v] > 0 and row["tflops"][v] > 0 and row["rel_err"][v] < 1e-2, v
@@ -261,13 +264,18 @@ def test_run_with_a_stand_in_fused_kernel(shapes_file, tmp_path, monkeypatch):
   """impl="fused" replaced by the XLA path: the fused columns, their ratios and checks fill in,
   and each variant rotates its own input sets."""
   real = gt._grouped
-  monkeypatch.setattr(gt, "_grouped", lambda x, w, sizes, impl: real(x, w, sizes, "xla"))
+  monkeypatch.setattr(gt, "_grouped",
+                      lambda x, w, sizes, impl, **kw: real(x, w, sizes, "xla", **kw))
   result = _run(shapes_file, tmp_path / "g.json", "--routing", "dirichlet",
-                "--variants", "fused,ragged_dot,dense,fused_bwd", "--timing", "dispatch")
+                "--variants", "fused,ragged_dot,dense,fused_bwd,fused_fp8", "--timing",
+                "dispatch")
   (row,) = result["rows"]
-  assert row["input_sets"] == {v: 8 for v in ("fused", "ragged_dot", "dense", "fused_bwd")}
-  for v in ("fused", "fused_bwd"):
-    assert row["ms"][v] > 0 and row["rel_err"][v] < 1e-2
+  assert row["input_sets"] == {v: 8 for v in ("fused", "ragged_dot", "dense", "fused_bwd",
+                                              "fused_fp8")}
+  for v in ("fused", "fused_bwd", "fused_fp8"):
+    assert row["ms"][v] > 0 and row["rel_err"][v] < 1e-2, v
+  assert row["ratios"]["fp8_over_bf16"] == pytest.approx(
+      row["ms"]["fused"] / row["ms"]["fused_fp8"], rel=1e-4)
   assert row["ratios"]["fused_vs_dense"] == pytest.approx(row["ms"]["dense"] / row["ms"]["fused"],
                                                           rel=1e-4)
   assert row["ratios"]["ragged_over_fused"] == pytest.approx(
@@ -321,7 +329,8 @@ def test_tokamax_variant_with_a_stand_in(shapes_file, tmp_path, monkeypatch):
   in, forward and backward."""
   monkeypatch.setattr(gt, "_tokamax", jax.lax.ragged_dot)
   real = gt._grouped
-  monkeypatch.setattr(gt, "_grouped", lambda x, w, sizes, impl: real(x, w, sizes, "xla"))
+  monkeypatch.setattr(gt, "_grouped",
+                      lambda x, w, sizes, impl, **kw: real(x, w, sizes, "xla", **kw))
   result = _run(shapes_file, tmp_path / "t.json", "--routing", "dirichlet",
                 "--variants", "fused,tokamax", "--backward")
   (row,) = result["rows"]

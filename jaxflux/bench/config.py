@@ -22,9 +22,10 @@ OP_VARIANTS = {
              "cutlass_fp8_fast", "cutlass_fp8_promoted", "quantize"),
     # One device: the MoE grouped GEMM (grouped_table.py); the *_bwd variants with --backward;
     # fused_<tile>: the kernel with each tile config (jaxflux.tuning.GROUPED_TILES) forced;
-    # tokamax: tokamax.ragged_dot, autotuned (where tokamax is installed).
-    "grouped_gemm": ("fused", "ragged_dot", "dense", "tokamax", "fused_bwd", "ragged_dot_bwd",
-                     "dense_bwd", "tokamax_bwd", "fused_cooperative_128x256",
+    # tokamax: tokamax.ragged_dot, autotuned (where tokamax is installed); fused_fp8: the kernel on
+# e4m3 operands (FP8_DTYPE).
+    "grouped_gemm": ("fused", "ragged_dot", "dense", "tokamax", "fused_fp8", "fused_bwd",
+                     "ragged_dot_bwd", "dense_bwd", "tokamax_bwd", "fused_cooperative_128x256",
                      "fused_pingpong_128x128"),
     # One device: the MoE layer's train step (moe_table.py), impl="fused" and impl="xla".
     "moe": ("fused", "ragged_dot"),
@@ -39,8 +40,8 @@ GEMM_FAMILIES = ("ag_gemm", "gemm_rs", "gemm_ar")
 FP8_DEFAULT_FAMILIES = ("ag_gemm", "gemm_rs")
 GROUPED_VARIANTS = OP_VARIANTS["grouped_gemm"]
 GROUPED_BACKWARD = tuple(v for v in GROUPED_VARIANTS if v.endswith("_bwd"))
-GROUPED_TILE_VARIANTS = tuple(v for v in GROUPED_VARIANTS
-                              if v.startswith("fused_") and v not in GROUPED_BACKWARD)
+GROUPED_TILE_VARIANTS = tuple(v for v in GROUPED_VARIANTS if v.startswith("fused_")
+                              and v not in GROUPED_BACKWARD and v != "fused_fp8")
 GROUPED_FORWARD = tuple(v for v in GROUPED_VARIANTS if v not in GROUPED_BACKWARD)
 # The variants whose fraction of the roofline a row records (dense reads one weight, not G).
 ROOFLINE_VARIANTS = ("fused", "ragged_dot", "tokamax") + GROUPED_TILE_VARIANTS
@@ -49,6 +50,7 @@ ROOFLINE_VARIANTS = ("fused", "ragged_dot", "tokamax") + GROUPED_TILE_VARIANTS
 ROUTINGS = ("even", "dirichlet")
 DIRICHLET_ALPHA = 0.5
 GROUPED_TABLE_M = (16384,)
+FP8_DTYPE = "float8_e4m3fn"
 # --op grouped_gemm's roofline (grouped_table.measure_rates): the best dense GEMM rate from one
 # large dense GEMM, and the best weight-read rate from a few rows against a weight far larger
 # than L2, both through XLA's dot (cuBLAS) in the run's dtype, per platform: (M, K, N).
@@ -142,6 +144,8 @@ DEFINITIONS = {
     "ragged_over_fused": ("--op grouped_gemm: ms['ragged_dot'] / ms['fused'], the speedup of the "
                           "fused grouped GEMM over XLA's ragged dot; ragged_over_fused_bwd alike; "
                           "--op moe: the same for the MoE layer's train step"),
+    "fp8_over_bf16": ("--op grouped_gemm: ms['fused'] / ms['fused_fp8'], the FP8 grouped GEMM's "
+                      "speedup over the 16-bit one on the same shapes (forward)"),
     "tokamax_over_fused": ("--op grouped_gemm: ms['tokamax'] / ms['fused'], the fused grouped "
                            "GEMM's speedup over tokamax.ragged_dot autotuned; "
                            "tokamax_over_fused_bwd alike"),

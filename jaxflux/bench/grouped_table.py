@@ -16,6 +16,9 @@ Variants, timed side by side (interleaved repeats) as for the other ops:
   ragged_dot      jaxflux.grouped_matmul(impl="xla"): lax.ragged_dot_general
   dense           one XLA dot x [M, K] @ w_dense [K, N]: the FLOPs of the grouped GEMM in one
                   dense GEMM (cuBLAS), the bar a grouped GEMM is measured against
+  fused_fp8       the fused kernel on e4m3 x and w (w [G, N, K], as that kernel reads it),
+                  per-tensor scales of 1, bf16 out: the FP8 grouped GEMM against the 16-bit one
+                  (forward only, as FP8 calls are)
   tokamax         tokamax.ragged_dot (its own order of implementations: Mosaic GPU, Triton,
                   XLA) with the configuration its autotuner picks for the shape (a cache miss
                   autotunes, inside the variant's compile); null, with the reason, where
@@ -48,9 +51,10 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxflux.bench.config import (DIRICHLET_ALPHA, FLOOR_BANDWIDTH, GROUPED_BACKWARD,
-                                  GROUPED_TABLE_M, GROUPED_TILE_VARIANTS, GROUPED_VARIANTS,
-                                  ROOFLINE_VARIANTS, ROUTINGS)
+from jaxflux.bench.config import (DIRICHLET_ALPHA, FLOOR_BANDWIDTH, FP8_DTYPE,
+                                  GROUPED_BACKWARD, GROUPED_TABLE_M, GROUPED_TILE_VARIANTS,
+                                  GROUPED_VARIANTS, ROOFLINE_VARIANTS, ROUTINGS)
+from jaxflux.bench.routings import group_sizes
 from jaxflux.bench.inputs import random_input
 from jaxflux.bench.measure import error_text, prepare, relative_error
 from jaxflux.bench.summary import ratio
@@ -65,6 +69,7 @@ RATIOS = {"fused_vs_dense": ("dense", "fused"),
           "ragged_dot_vs_dense": ("dense", "ragged_dot"),
           "ragged_over_fused": ("ragged_dot", "fused"),
           "tokamax_over_fused": ("tokamax", "fused"),
+          "fp8_over_bf16": ("fused", "fused_fp8"),
           "fused_bwd_vs_dense_bwd": ("dense_bwd", "fused_bwd"),
           "ragged_dot_bwd_vs_dense_bwd": ("dense_bwd", "ragged_dot_bwd"),
           "ragged_over_fused_bwd": ("ragged_dot_bwd", "fused_bwd"),
@@ -93,48 +98,20 @@ class GroupedRow:
 
   @property
   def shapes(self) -> dict[str, tuple[int, ...]]:
-    """The arrays the variants take (group_sizes aside) and their shapes."""
+    """The arrays the variants take (group_sizes aside) and their shapes; fused_fp8 reads x and
+    w in e4m3, w K-major ([G, N, K]) as its kernel takes it."""
     return {"x": (self.M, self.K), "w": (self.experts, self.K, self.N),
-            "w_dense": (self.K, self.N), "dy": (self.M, self.N)}
+            "w_dense": (self.K, self.N), "dy": (self.M, self.N),
+            "x_fp8": (self.M, self.K), "w_fp8": (self.experts, self.N, self.K)}
+
+  def input_dtype(self, name: str) -> str:
+    return FP8_DTYPE if name.endswith("_fp8") else self.dtype
 
   def flops(self, variant: str) -> int:
     return (4 if variant.endswith("_bwd") else 2) * self.M * self.K * self.N
 
   def key(self) -> list:
     return [self.op, self.name, self.M, self.K, self.N, self.experts, self.routing, self.dtype]
-
-
-# --- routing ------------------------------------------------------------------------------------
-
-def even_sizes(M: int, G: int) -> list[int]:
-  """[G] rows per expert: M // G each, one more for each of the first M % G experts."""
-  return [M // G + (g < M % G) for g in range(G)]
-
-
-def round_to_total(shares: np.ndarray, total: int) -> list[int]:
-  """[G] non-negative whole numbers summing to `total`, proportional to `shares` (largest
-  remainder: floors, then one more for the largest fractional parts, ties to the lower index)."""
-  raw = np.asarray(shares, np.float64) / np.sum(shares) * total
-  sizes = np.floor(raw).astype(np.int64)
-  short = total - int(sizes.sum())
-  assert 0 <= short <= len(sizes), (short, total)
-  sizes[np.argsort(sizes - raw, kind="stable")[:short]] += 1
-  return [int(s) for s in sizes]
-
-
-def dirichlet_sizes(M: int, G: int, seed: int, alpha: float = DIRICHLET_ALPHA) -> list[int]:
-  """[G] rows per expert from shares ~ Dirichlet(alpha, ..., alpha), drawn with numpy's
-  default_rng(seed): the same for a seed and G, whatever M."""
-  shares = np.random.default_rng(seed).dirichlet(np.full(G, alpha))
-  return round_to_total(shares, M)
-
-
-def group_sizes(routing: str, M: int, G: int, seed: int) -> list[int]:
-  if routing == "even":
-    return even_sizes(M, G)
-  if routing == "dirichlet":
-    return dirichlet_sizes(M, G, seed)
-  raise ValueError(f"unknown routing {routing!r}; choose from {ROUTINGS}")
 
 
 # --- rows ---------------------------------------------------------------------------------------
@@ -158,9 +135,9 @@ def build_rows(args, shapes: dict) -> list[GroupedRow]:
 
 # --- variants and their inputs ------------------------------------------------------------------
 
-def _grouped(x, w, sizes, impl: str):
+def _grouped(x, w, sizes, impl: str, **kwargs):
   """The op under test (a module function, so that tests can stand in for the fused kernel)."""
-  return grouped_matmul(x, w, sizes, impl=impl)
+  return grouped_matmul(x, w, sizes, impl=impl, **kwargs)
 
 
 def _with_tile(x, w, sizes, tile: str):
@@ -168,6 +145,13 @@ def _with_tile(x, w, sizes, tile: str):
   inside the override block, which a forward-only variant needs no more of."""
   with tuning.override("grouped_matmul", tile=tile):
     return _grouped(x, w, sizes, "fused")
+
+
+def _fp8(x8, w8, sizes):
+  """The fused grouped GEMM on e4m3 operands (w [G, N, K]) with per-tensor scales of 1: the FP8
+  kernel against the 16-bit one on the same shapes, bf16 out."""
+  one = jnp.ones((), jnp.float32)
+  return _grouped(x8, w8, sizes, "fused", transpose_w=True, x_scale=one, w_scale=one)
 
 
 def _tokamax(x, w, sizes):
@@ -187,6 +171,8 @@ def _forward(base: str) -> Callable:
     return jnp.dot
   if base == "tokamax":
     return _tokamax
+  if base == "fused_fp8":
+    return _fp8
   if base in GROUPED_TILE_VARIANTS:
     tile = base.removeprefix("fused_")
     return lambda x, w, sizes: _with_tile(x, w, sizes, tile)
@@ -209,7 +195,8 @@ def make_variant(name: str) -> Variant:
   makes depend on the previous call."""
   base = name.removesuffix("_bwd")
   fn = _forward(base)
-  inputs = ("x", "w_dense") if base == "dense" else ("x", "w", "group_sizes")
+  inputs = {"dense": ("x", "w_dense"), "fused_fp8": ("x_fp8", "w_fp8", "group_sizes")}.get(
+      base, ("x", "w", "group_sizes"))
   if name in GROUPED_BACKWARD:
     fn, inputs = _backward(fn), inputs + ("dy",)
   return Variant(name, fn, inputs)
@@ -220,8 +207,18 @@ def set_count(row: GroupedRow, inputs: tuple[str, ...], rotate_mib: float) -> in
   own inputs' bytes to reach rotate_mib, at most 8 (inputs.input_set_count's rule)."""
   if rotate_mib <= 0:
     return 1
-  nbytes = sum(math.prod(row.shapes[n]) for n in inputs if n in row.shapes) * row.itemsize
+  nbytes = sum(math.prod(row.shapes[n]) * jnp.dtype(row.input_dtype(n)).itemsize
+               for n in inputs if n in row.shapes)
   return int(min(8, max(1, math.ceil(rotate_mib * 2**20 / nbytes))))
+
+
+def _random(shape: tuple[int, ...], dtype: str, sharding: NamedSharding) -> Callable:
+  """Standard-normal values in dtype (FP8 ones drawn in float32 and rounded: N(0, 1) lies well
+  inside e4m3's range)."""
+  if dtype == FP8_DTYPE:
+    return jax.jit(lambda key: jax.random.normal(key, shape, jnp.float32).astype(dtype),
+                   out_shardings=sharding)
+  return random_input(shape, dtype, sharding)
 
 
 def make_inputs(row: GroupedRow, mesh: Mesh, counts: dict[str, tuple[tuple[str, ...], int]],
@@ -242,7 +239,7 @@ def make_inputs(row: GroupedRow, mesh: Mesh, counts: dict[str, tuple[tuple[str, 
     for i, name in enumerate(sorted(row.shapes)):
       if copies.get(name, 0) > s:
         key = jax.random.fold_in(jax.random.fold_in(base, s), i)
-        arrays[name] = random_input(row.shapes[name], row.dtype, sharding)(key)
+        arrays[name] = _random(row.shapes[name], row.input_dtype(name), sharding)(key)
     sets.append(arrays)
   jax.block_until_ready(sets)
   return sets
@@ -274,7 +271,11 @@ def _reference(name: str, row: GroupedRow) -> Callable:
     zeros = (jnp.zeros((row.M, row.K), jnp.float32), jnp.zeros(w.shape, jnp.float32))
     return lax.fori_loop(0, row.experts, body, zeros)
 
+  def grouped_fp8(x8, w8, sizes):  # the kernel's product of the e4m3 values, scales of 1
+    return grouped(x8.astype(jnp.float32), w8.astype(jnp.float32).transpose(0, 2, 1), sizes)
+
   return {"dense": _dot, "dense_bwd": lambda x, w, dy: (_dot(dy, w.T), _dot(x.T, dy)),
+          "fused_fp8": grouped_fp8,
           "fused": grouped, "ragged_dot": grouped, "tokamax": grouped,
           "fused_bwd": grouped_grads, "ragged_dot_bwd": grouped_grads,
           "tokamax_bwd": grouped_grads,
@@ -286,7 +287,8 @@ def _check(name: str, row: GroupedRow, timed, y, cache: dict) -> float:
   float32 reference on that call's inputs (the loop's last call takes set 0; dispatched calls
   cycle through the sets); one reference per family and set, shared by its variants."""
   last = 0 if timed.mode == "loop" else (timed.calls - 1) % len(timed.args)
-  family = ("dense" if name.startswith("dense") else "grouped", name in GROUPED_BACKWARD, last)
+  kind = "dense" if name.startswith("dense") else "fp8" if name == "fused_fp8" else "grouped"
+  family = (kind, name in GROUPED_BACKWARD, last)
   if family not in cache:
     args = timed.args[last]  # the variant's inputs, in its order
     cache[family] = jax.jit(_reference(name, row))(*args)
