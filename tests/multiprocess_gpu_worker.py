@@ -645,8 +645,10 @@ def run_moe(dtypes, cases=MOE_CASES, back_to_back=True):
 
 
 def moe_layer_reference(params, x, topk, activation, ct):
-  """(y, d params, dx) of a dense float32 top-k expert MLP on the CPU: every token through every
-  expert, then its top k weighted (renormalized for k > 1), as jaxflux.MoE computes it."""
+  """(y, the load-balancing loss, d params, dx) of a dense float32 top-k expert MLP on the CPU:
+  every token through every expert, then its top k weighted (renormalized for k > 1), as
+  jaxflux.MoE computes it; the gradients of sum(y * ct) + the load-balancing loss, Switch
+  Transformer's E * sum_e f_e * P_e over all tokens."""
   def layer(params, x):
     probs = jax.nn.softmax(x @ params["gate"], axis=-1)
     weights, chosen = jax.lax.top_k(probs, topk)
@@ -659,11 +661,15 @@ def moe_layer_reference(params, x, topk, activation, ct):
       h = jax.nn.gelu(jnp.einsum("th,ehi->tei", x, params["wi"]))
     every = jnp.einsum("tei,eih->teh", h, params["wo"])
     picked = jnp.take_along_axis(every, chosen[:, :, None], axis=1)
-    return jnp.einsum("tk,tkh->th", weights, picked)
+    tokens, experts = probs.shape
+    pairs = jnp.sum(jax.nn.one_hot(chosen, experts), axis=(0, 1))
+    aux = experts * jnp.sum(pairs / (tokens * topk) * jnp.sum(probs, axis=0) / tokens)
+    return jnp.einsum("tk,tkh->th", weights, picked), aux
   with jax.default_device(jax.local_devices(backend="cpu")[0]):
-    y = layer(params, x)
-    grads = jax.grad(lambda p, x: jnp.sum(layer(p, x) * ct), argnums=(0, 1))(params, x)
-  return np.asarray(y), jax.tree.map(np.asarray, grads)
+    y, aux = layer(params, x)
+    grads = jax.grad(lambda p, x: jnp.sum(layer(p, x)[0] * ct) + layer(p, x)[1],
+                     argnums=(0, 1))(params, x)
+  return np.asarray(y), np.asarray(aux), jax.tree.map(np.asarray, grads)
 
 
 def run_moe_layer():
@@ -689,7 +695,7 @@ def run_moe_layer():
       params[w] = cast(rng.standard_normal((experts, hidden, inter)) / np.sqrt(hidden))
     x = cast(rng.standard_normal((tp * m, hidden)))
     ct = rng.standard_normal((tp * m, hidden)).astype(np.float32)
-    y_want, (dp_want, dx_want) = moe_layer_reference(params, x, topk, act, ct)
+    y_want, aux_want, (dp_want, dx_want) = moe_layer_reference(params, x, topk, act, ct)
     layer = jaxflux.MoE(experts, topk, inter, activation=act, impl="fused", dtype=jnp.bfloat16)
     specs = {"gate": P(), "wo": P(None, "tp", None), "wi": P(None, None, "tp"),
              "wi_0": P(None, None, "tp"), "wi_1": P(None, None, "tp")}
@@ -701,17 +707,18 @@ def run_moe_layer():
       x_dev, ct_dev = (jax.make_array_from_callback(a.shape, tokens, lambda idx, a=a: a[idx])
                        for a in (x, ct))
 
-      experts_dev = {k: v for k, v in p_dev.items() if k != "gate"}
-
-      # The router's kernel is not differentiated: its gradient is an all-reduce over the
-      # ranks' tokens (an XLA collective, which two ranks on one GPU can't run).
-      def step(experts, gate, x, ct):
-        y, vjp = jax.vjp(lambda e, x: layer.apply({"params": {**e, "gate": gate}}, x),
-                         experts, x)
-        return (y, *vjp(ct.astype(y.dtype)))
+      # Every param's gradient, the router's included, and the sown load-balancing loss's: the
+      # fused path sums both over the ranks with jaxflux's all-gather, no XLA collective.
+      def step(params, x, ct):
+        def apply(p, x):
+          y, state = layer.apply({"params": p}, x, mutable=["intermediates"])
+          return y, state["intermediates"]["load_balancing_loss"][0]
+        (y, aux), vjp = jax.vjp(apply, params, x)
+        return (y, aux, *vjp((ct.astype(y.dtype), jnp.ones((), aux.dtype))))
 
       step = jax.jit(step)
-      hlo = step.lower(experts_dev, p_dev["gate"], x_dev, ct_dev).compile().as_text()
+      program = step.lower(p_dev, x_dev, ct_dev).compile()
+      hlo = program.as_text()
       collectives = [c for c in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all")
                      if c + "(" in hlo or c + "-start" in hlo]
       if collectives or "jaxflux_all_gather_grouped_matmul" not in hlo:
@@ -719,8 +726,9 @@ def run_moe_layer():
         print(f"FAIL {name} hlo {collectives}", flush=True)
         continue
       print(f"PASS {name} hlo", flush=True)
-      y, dp, dx = step(experts_dev, p_dev["gate"], x_dev, ct_dev)
+      y, aux, dp, dx = program(p_dev, x_dev, ct_dev)
     check(f"{name} y", y, y_want, tol=2e-2)
+    check(f"{name} load-balancing loss", aux, np.asarray(aux_want), tol=1e-4)
     check(f"{name} dx", dx, dx_want, tol=3e-2)
     for k in dp:
       check(f"{name} d{k}", dp[k], dp_want[k], tol=3e-2)

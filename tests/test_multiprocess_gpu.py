@@ -229,16 +229,17 @@ def test_moe_ops_sharing_one_gpu(one_gpu_launcher, tmp_path, tp, dtypes):
 @ranks(quick=())
 def test_moe_layer_on_the_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
   """jaxflux.MoE with the experts' intermediate dimension and the tokens over 'tp' runs the fused
-  MoE ops with no XLA collective, forward and backward (the router's kernel held fixed: its
-  gradient is an all-reduce), against a dense float32 reference (the worker's MODE=moe_layer:
-  top-1, 2 and 8, swiglu and gelu, empty experts)."""
+  MoE ops with no XLA collective, forward and backward (every param's gradient, the router's
+  included, and the load-balancing loss's), against a dense float32 reference (the worker's
+  MODE=moe_layer: top-1, 2 and 8, swiglu and gelu, empty experts)."""
   results = _run(one_gpu_launcher, tmp_path, "moe_layer", timeout=_scaled(300, tp),
                  shared=True, tp=tp)
   assert _all_exited_cleanly(results), describe(results)
   for i, (_, out) in enumerate(results):
     assert f"WORKER OK {i}" in out and "FAIL" not in out, describe(results)
-    # per case: the HLO, y, dx and each expert kernel (swiglu 3, gelu 2)
-    assert out.count("PASS moe layer ") == 6 + 5 + 6, describe(results)
+    # per case: the HLO, y, the loss, dx, the router's and each expert kernel's gradient
+    # (swiglu 3, gelu 2)
+    assert out.count("PASS moe layer ") == 8 + 7 + 8, describe(results)
 
 
 @pytest.mark.slow  # the full tier's ops chunk: 33 s on one H100

@@ -39,6 +39,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 from jaxflux.layers import _layer_mesh as lm
 from jaxflux.ops import (all_gather_grouped_matmul, grouped_matmul,
                          grouped_matmul_reduce_scatter, moe_routing)
+from jaxflux.ops import _fused_sum
 from jaxflux.ops._ragged_exchange import ragged_all_to_all
 from jaxflux.ops.moe_routing import sort_by_expert
 
@@ -341,14 +342,24 @@ def moe_mlp(layer: str, x, gate, wi: tuple, wo, *, num_experts_per_tok: int,
   run_experts = functools.partial(expert_mlp, activation=activation, impl=impl,
                                   precision=precision, dtype=dtype)
 
+  # On the fused tensor-parallel path the router's gradient and the load-balancing sums over
+  # the tokens' axis go through jaxflux's all-gather too: that axis then has no XLA collective.
+  fused_axis = plan.tensor_parallel_axis if plan and impl == "fused" else None
+
   def local(x, gate, *params):
     """The layer on this device's tokens and experts (all of them without a plan)."""
     *wi, wo = params
     lead = x.shape[:-1]
     x = x.reshape(-1, hidden)
+    if fused_axis:
+      gate = _fused_sum.broadcast(gate, fused_axis)
     weights, experts, pairs, probs = route(x, gate, k, norm_topk_prob, precision)
     if plan and plan.tokens:
-      pairs, probs = lax.psum((pairs, probs), plan.tokens)
+      if fused_axis in plan.tokens:
+        pairs, probs = (_fused_sum.psum(a, fused_axis) for a in (pairs, probs))
+      others = tuple(a for a in plan.tokens if a != fused_axis)
+      if others:
+        pairs, probs = lax.psum((pairs, probs), others)
     if plan and (plan.tensor_parallel_axis or plan.expert_parallel_axis):
       split = (tensor_parallel_experts if plan.tensor_parallel_axis else expert_parallel_experts)
       y = split(x, weights, experts, tuple(wi), wo, activation=activation, impl=impl,
