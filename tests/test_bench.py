@@ -225,7 +225,7 @@ def test_device_clock_words_and_elapsed_time():
 
 
 def test_device_mode_times_with_the_clock_and_checks_the_queue(monkeypatch):
-  """_Timed's device mode, with a fake clock: the time comes from the clock reads, and a host
+  """Timed's device mode, with a fake clock: the time comes from the clock reads, and a host
   that queued its calls slower than the idle read lasted is flagged."""
   import numpy as np
   from jax.sharding import Mesh
@@ -243,7 +243,7 @@ def test_device_mode_times_with_the_clock_and_checks_the_queue(monkeypatch):
 
   mesh = Mesh(np.asarray(jax.devices()[:2]), ("tp",))
   x = jax.device_put(jax.numpy.ones((2, 4)), jax.sharding.NamedSharding(mesh, jax.P("tp")))
-  timed = timing._Timed(Variant("xla", lambda a: a * 2, ("x",)), mesh, [{"x": x}], 4,
+  timed = timing.Timed(Variant("xla", lambda a: a * 2, ("x",)), mesh, [{"x": x}], 4,
                         "dispatch", "perturb")
   timed.run().block_until_ready()  # compiled before the timed run
   timed.clock = FakeClock()

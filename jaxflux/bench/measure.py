@@ -19,7 +19,7 @@ from jaxflux.bench.inputs import input_set_count, make_inputs
 from jaxflux.bench.machine import is_gpu
 from jaxflux.bench.rows import Row
 from jaxflux.bench.summary import summarize_row
-from jaxflux.bench.timing import chain_kind, _Timed
+from jaxflux.bench.timing import chain_kind, Timed
 from jaxflux.bench.variants import Unavailable, Variant, make_variant, pallas_variants
 
 
@@ -43,7 +43,7 @@ def error_text(e: BaseException, limit: int = 600) -> str:
   return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _reference_error(variant: Variant, timed: _Timed, y: jax.Array, input_sets: list[dict],
+def _reference_error(variant: Variant, timed: Timed, y: jax.Array, input_sets: list[dict],
                      cache: dict) -> float:
   """rel_err of y against variant.reference on the inputs of the call that produced y (the
   loop's last call takes set 0; dispatched calls cycle through the sets). A reference result is
@@ -59,7 +59,7 @@ def _reference_error(variant: Variant, timed: _Timed, y: jax.Array, input_sets: 
   return float(relative_error(y, want))
 
 
-def _gemm_calls(timed: _Timed) -> tuple[list[str], bool]:
+def _gemm_calls(timed: Timed) -> tuple[list[str], bool]:
   """The custom-call targets of a variant's compiled program, and whether it has a GEMM fusion
   XLA emits with Triton (which XLA may pick over cuBLAS)."""
   hlo = timed.hlo_text()
@@ -68,14 +68,14 @@ def _gemm_calls(timed: _Timed) -> tuple[list[str], bool]:
 
 @dataclasses.dataclass
 class _Prepared:
-  timed: _Timed
+  timed: Timed
   compile_s: float
 
 
 def prepare(variant: Variant, mesh, input_sets, args) -> tuple[_Prepared, jax.Array]:
   """Builds, compiles and warms up a variant; returns it and the last output of the warm-up."""
   t0 = time.perf_counter()
-  timed = _Timed(variant, mesh, input_sets, args.iters, args.timing, chain_kind(args))
+  timed = Timed(variant, mesh, input_sets, args.iters, args.timing, chain_kind(args))
   y = jax.block_until_ready(timed.run())
   compile_s = time.perf_counter() - t0
   for _ in range(max(0, math.ceil(args.warmup / timed.calls) - 1)):
@@ -188,7 +188,7 @@ def bench_row(row: Row, mesh: Mesh, variants: list[str], args, log=print) -> dic
   return record
 
 
-def _check_fp8_gemm(name: str, timed: _Timed, extra: dict, errors: dict, warnings: list) -> None:
+def _check_fp8_gemm(name: str, timed: Timed, extra: dict, errors: dict, warnings: list) -> None:
   """Records how XLA ran its FP8 variant (custom calls, a Triton GEMM fusion); on GPU, warns
   when it is neither cuBLASLt's FP8 matmul nor a Triton GEMM: XLA then did not see the
   dequantize -> dot as one FP8 GEMM, and the variant times something else."""

@@ -70,7 +70,7 @@ def _chain(fn: Callable, sets: list[tuple], n_outer: int, chain: str, eps,
   return lax.fori_loop(0, n_outer, body, (firsts, y))[1]
 
 
-class _Timed:
+class Timed:
   """A compiled timed run of one variant: `calls` op invocations, one sync at the end.
 
   mode "loop": one jitted program runs the calls in a `lax.fori_loop` (see `_chain`), so there
