@@ -13,9 +13,11 @@
 #                      Meant to take under 3 minutes on one H100 (benchmarks/README.md); run
 #                      it for every change to GPU code.
 #             full     all of the chunks below, each meant to fit 9 minutes on one H200 (one
-#                      device call each): kernels (the GEMM-only kernels in full, FP8 included, and
-#                      the tp=1 shape fuzz), ops (the fused ops across two processes: the shape
-#                      fuzz, the MLP, the dead peer, FP8; the training example), matrix and
+#                      device call each): kernels (the 16-bit GEMM-only and grouped kernels in
+#                      full, and the tp=1 shape fuzz), fp8_ag and fp8_rest (the FP8 GEMM-only
+#                      kernels on AG+GEMM's shapes, then on the others), ops (the fused ops
+#                      across two processes: the shape fuzz, the MLP, the dead peer, FP8; the
+#                      training example), matrix and
 #                      matrix_pingpong (the 16-bit shape matrix, GEMM+RS's own-rows schedule as
 #                      chosen and forced to ping-pong), tp4 and tp8 (every shared-GPU test but
 #                      the matrix and the fuzz with 4 and 8 processes on one GPU), fuzz_tp4 (the
@@ -103,12 +105,16 @@ kind = jax.devices()[0].device_kind
 print(next((n for n in ('h100', 'h200') if n in kind.lower()), 'gpu'))")
 
 tier() {  # the pytest selection of a test tier, as arguments
-  local gpu=(-m gpu) kernels=(tests/test_gemm_gpu.py tests/test_fp8_gpu.py tests/test_fuzz_gpu.py
-                          tests/test_grouped_matmul_gpu.py)
+  local gpu=(-m gpu) kernels=(tests/test_gemm_gpu.py tests/test_fuzz_gpu.py
+                          tests/test_grouped_matmul_gpu.py) fp8=(tests/test_fp8_gpu.py)
   local ops=(tests/test_multiprocess_gpu.py tests/test_example_gpu.py)
   case $1 in
     quick) TIER_ARGS=(-m "gpu and not slow" tests) ;;
     kernels) TIER_ARGS=("${gpu[@]}" "${kernels[@]}") ;;
+    # The FP8 kernels over every benchmark shape took more than one 10-minute call on an H200:
+    # AG+GEMM's shapes, then the rest (GEMM+RS's, odd shapes, decode rows).
+    fp8_ag) TIER_ARGS=("${gpu[@]}" "${fp8[@]}" -k ag_gemm) ;;
+    fp8_rest) TIER_ARGS=("${gpu[@]}" "${fp8[@]}" -k "not ag_gemm") ;;
     ops) TIER_ARGS=("${gpu[@]}" "${ops[@]}" -k "not matrix and not tp4 and not tp8 and not once") ;;
     matrix) TIER_ARGS=("${gpu[@]}" tests/test_multiprocess_gpu.py -k "matrix and not pingpong") ;;
     matrix_pingpong) TIER_ARGS=("${gpu[@]}" tests/test_multiprocess_gpu.py -k matrix_pingpong) ;;
@@ -117,16 +123,16 @@ tier() {  # the pytest selection of a test tier, as arguments
     tp8) TIER_ARGS=("${gpu[@]}" tests/test_multiprocess_gpu.py -k tp8) ;;
     fuzz_tp4) TIER_ARGS=("${gpu[@]}" tests/test_multiprocess_gpu.py -k "fuzz and tp4") ;;
     rest) TIER_ARGS=("${gpu[@]}" tests)
-          for f in "${kernels[@]}" "${ops[@]}"; do TIER_ARGS+=("--ignore=$f"); done ;;
-    *) echo "unknown test tier $1 (quick, full, kernels, ops, matrix, matrix_pingpong, tp4, tp8,"\
-            "fuzz_tp4, rest)"
+          for f in "${kernels[@]}" "${fp8[@]}" "${ops[@]}"; do TIER_ARGS+=("--ignore=$f"); done ;;
+    *) echo "unknown test tier $1 (quick, full, kernels, fp8_ag, fp8_rest, ops, matrix,"\
+            "matrix_pingpong, tp4, tp8, fuzz_tp4, rest)"
        return 1 ;;
   esac
 }
 
 if stage tests; then
   tiers=${GPU_TIERS:-quick}
-  tiers=${tiers/full/kernels ops matrix matrix_pingpong tp4 tp8 fuzz_tp4 rest}
+  tiers=${tiers/full/kernels fp8_ag fp8_rest ops matrix matrix_pingpong tp4 tp8 fuzz_tp4 rest}
   for t in $tiers; do
     tier "$t" || { status=1; continue; }
     s=$(date +%s)
