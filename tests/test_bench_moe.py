@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxflux
 from jaxflux import bench
 from jaxflux.bench import moe_table as mt
 
@@ -45,7 +46,8 @@ def _row(name="tiny", M=32, activation="swiglu", norm=True):
 
 def test_arguments():
   args = bench.parse_args(["--op", "moe"])
-  assert args.variants == ["fused", "ragged_dot"] and args.M is None and args.tp is None
+  assert args.variants == ["fused", "ragged_dot", "fused_gemms"]
+  assert args.M is None and args.tp is None
   args = bench.parse_args(["--op", "moe", "--tp", "1", "--M", "256,512", "--variants",
                            "ragged_dot", "--dtype", "float16"])
   assert (args.M, args.variants, args.dtype) == ([256, 512], ["ragged_dot"], "float16")
@@ -134,7 +136,8 @@ def test_row_ratio_and_table_arithmetic():
             "grad_rel_diff_max": 1e-3}
   record = mt.summarize_row(row, {"fused": [1.0, 1.2, 1.1], "ragged_dot": [3.0, 3.6]}, {},
                             losses, checks, {"fused": 2}, {}, 1, [30, 34, 0, 0])
-  assert record["ms"] == {"fused": 1.1, "ragged_dot": pytest.approx(3.3)}
+  assert record["ms"] == {"fused": 1.1, "ragged_dot": pytest.approx(3.3), "fused_gemms": None}
+  assert record["gemm_share"] is None and record["outside_gemms_share"] is None
   assert record["ratios"]["ragged_over_fused"] == pytest.approx(3.0)
   assert record["spread_ms"]["fused"] == [1.0, 1.2]
   assert record["tflops"]["fused"] == pytest.approx(row.flops / 1.1e-3 / 1e12)
@@ -142,7 +145,7 @@ def test_row_ratio_and_table_arithmetic():
   assert record["loss_terms"]["ragged_dot"]["load_balancing"] == 100.0
   assert (record["expert_rows_min"], record["expert_rows_max"], record["routed_rows"]) == (
       0, 34, 64)
-  assert record["errors"] == {}
+  assert record["errors"] == {"fused_gemms": "not requested"}
   # The output term differs by more than MOE_MAX_REL_DIFF: a warning.
   assert [w.split(" ")[0] for w in record["warnings"]] == ["output_loss_rel_diff"]
 
@@ -150,9 +153,17 @@ def test_row_ratio_and_table_arithmetic():
                           {"ragged_dot": losses["ragged_dot"]}, None, {}, {}, 1, None)
   assert only["ms"]["fused"] is None and only["ratios"]["ragged_over_fused"] is None
   assert only["loss"] == {"fused": None, "ragged_dot": 1.0} and only["grad_rel_diff"] is None
-  assert only["errors"] == {"fused": "E: no kernel"} and only["warnings"] == []
+  assert only["errors"] == {"fused": "E: no kernel", "fused_gemms": "not requested"}
+  assert only["warnings"] == []
   fast = mt.summarize_row(row, {"ragged_dot": [1e-9]}, {}, {}, None, {}, {}, 1, None)
   assert fast["errors"]["fused"] == "not requested" and "ragged_dot: " in fast["warnings"][0]
+
+  # The fused step's GEMMs alone: its share of the step, the rest outside them.
+  gemms = mt.summarize_row(row, {"fused": [2.0], "fused_gemms": [1.5]}, {}, {}, None, {}, {},
+                           1, None)
+  assert gemms["gemm_share"] == 0.75 and gemms["outside_gemms_share"] == pytest.approx(0.25)
+  assert gemms["tflops"]["fused_gemms"] == pytest.approx(row.gemm_flops / 1.5e-3 / 1e12)
+  assert mt.summarize_table([gemms])["outside_gemms_share"]["worst"] == pytest.approx(0.25)
 
   summary = mt.summarize_table([record, only])
   assert summary["ragged_over_fused"] == {"rows": 1, "of_rows": 2, "mean": pytest.approx(3.0),
@@ -199,9 +210,17 @@ def test_run_with_a_stand_in_fused_kernel(shapes_file, tmp_path, monkeypatch):
   (zero differences: the same program), and the variants rotate the same input sets."""
   real = mt._layer
   monkeypatch.setattr(mt, "_layer", lambda row, impl: real(row, "xla"))
+  monkeypatch.setattr(mt, "_grouped",
+                      lambda x, w, sizes: jaxflux.grouped_matmul(x, w, sizes, impl="xla"))
   result = _run(shapes_file, tmp_path / "m.json", "--timing", "dispatch", "--rotate-mib", "0.02")
   (row,) = result["rows"]
-  assert row["input_sets"] > 1 and row["calls_per_run"] == {"fused": 2, "ragged_dot": 2}
+  assert row["input_sets"] > 1
+  assert row["calls_per_run"] == {"fused": 2, "ragged_dot": 2, "fused_gemms": 2}
+  # the step's GEMMs alone: timed, their share of the step and the rest outside them
+  assert row["ms"]["fused_gemms"] > 0 and row["tflops"]["fused_gemms"] > 0
+  assert row["gemm_share"] == pytest.approx(row["ms"]["fused_gemms"] / row["ms"]["fused"],
+                                            rel=1e-4)
+  assert row["outside_gemms_share"] == pytest.approx(1 - row["gemm_share"], rel=1e-4)
   assert row["ms"]["fused"] > 0 and row["ms"]["ragged_dot"] > 0
   assert row["ratios"]["ragged_over_fused"] == pytest.approx(
       row["ms"]["ragged_dot"] / row["ms"]["fused"], rel=1e-4)

@@ -27,8 +27,9 @@ OP_VARIANTS = {
     "grouped_gemm": ("fused", "ragged_dot", "dense", "tokamax", "fused_fp8", "fused_bwd",
                      "ragged_dot_bwd", "dense_bwd", "tokamax_bwd", "fused_cooperative_128x256",
                      "fused_pingpong_128x128"),
-    # One device: the MoE layer's train step (moe_table.py), impl="fused" and impl="xla".
-    "moe": ("fused", "ragged_dot"),
+    # One device: the MoE layer's train step (moe_table.py), impl="fused" and impl="xla", and
+    # the fused step's grouped GEMMs alone (what the step spends outside them is the rest).
+    "moe": ("fused", "ragged_dot", "fused_gemms"),
 }
 GEMM_VARIANTS = OP_VARIANTS["gemm"][:8]
 FP8_GEMM_VARIANTS = OP_VARIANTS["gemm"][8:]
@@ -156,6 +157,9 @@ DEFINITIONS = {
     "rates": ("--op grouped_gemm: the roofline's rates on this device, measured before the rows "
               "through XLA's dot in the run's dtype: dense_tflops from one large GEMM, "
               "weight_read_tbps from a few rows against a weight far past L2 (shapes: M, K, N)"),
+    "outside_gemms_share": ("--op moe: 1 - ms['fused_gemms'] / ms['fused'], the share of the "
+                            "fused step spent outside its grouped GEMMs (router, sorts, "
+                            "permutes, casts, activation, combine); gemm_share the rest"),
     "tflops_moe": ("--op moe: 3 * (2*M*hidden*E + 2*M*k*hidden*I * projections) / time, the "
                    "step's matmul FLOPs (router and expert MLP, forward and backward)"),
     "expert_rows": ("--op moe: (token, expert) pairs the router sends to each expert on the "

@@ -18,6 +18,12 @@ inputs:
                forward and backward; null, with the reason, where it cannot run
                (FusedKernelUnavailableError)
   ragged_dot   the same layer with impl="xla": lax.ragged_dot_general
+  fused_gemms  the fused step's grouped GEMMs alone, on the kernel: the expert MLP's
+               projections forward (x_rows [M*k, hidden] by each wi, h [M*k, I] by wo) and
+               their dx and dw, on the router's group sizes of the first input set, weights
+               already in --dtype; `outside_gemms_share` = 1 - its time / fused's, what the
+               step spends on the router, sorts, permutes, casts, the activation and the
+               combine (rows sorted by expert; fresh data, so no value is checked)
 Checks, on the last warm-up call of each (same input set): the losses of the two variants and
 their relative difference (`loss_rel_diff`, and `output_loss_rel_diff` for the mean(y * ct) term
 alone: the load-balancing term comes from the router, the same program in both), and the
@@ -52,10 +58,12 @@ from jaxflux.bench.timing import chain_kind
 from jaxflux.bench.variants import Variant
 from jaxflux.layers import _moe
 from jaxflux.layers.moe_linen import MoE
+from jaxflux.ops.grouped_matmul import grouped_matmul
 
 # ratio key: (numerator, denominator) of ms[numerator] / ms[denominator]; higher is a faster
 # fused step.
 RATIOS = {"ragged_over_fused": ("ragged_dot", "fused")}
+STEP_VARIANTS = ("fused", "ragged_dot")  # the train step itself; fused_gemms is its GEMMs
 _IMPLS = {"fused": "fused", "ragged_dot": "xla"}
 # The loss and its terms, in the order a call returns them.
 LOSS_TERMS = ("total", "output", "load_balancing")
@@ -89,7 +97,22 @@ class MoERow:
     param_dtype."""
     H, E, I = self.hidden, self.experts, self.intermediate
     wi = {n: (E, H, I) for n in _moe.expert_param_names(self.activation)}
-    return {"x": (self.M, H), "ct": (self.M, H), "gate": (H, E), **wi, "wo": (E, I, H)}
+    rows = self.M * self.top_k
+    return {"x": (self.M, H), "ct": (self.M, H), "gate": (H, E), **wi, "wo": (E, I, H),
+            # fused_gemms': the routed rows, the hidden rows, and the weights in dtype
+            "x_rows": (rows, H), "h_rows": (rows, I), "dy_rows": (rows, H),
+            **{f"{n}_{self.dtype}": (E, H, I) for n in wi}, f"wo_{self.dtype}": (E, I, H)}
+
+  @property
+  def gemm_weight_names(self) -> tuple[str, ...]:
+    """fused_gemms' weights: the expert kernels in the computation dtype."""
+    return tuple(f"{n}_{self.dtype}" for n in (*_moe.expert_param_names(self.activation), "wo"))
+
+  @property
+  def gemm_flops(self) -> int:
+    """fused_gemms' FLOPs: the expert projections, forward and backward (3x the forward)."""
+    projections = len(_moe.expert_param_names(self.activation)) + 1
+    return 3 * 2 * self.M * self.top_k * self.hidden * self.intermediate * projections
 
   @property
   def flops(self) -> int:
@@ -100,7 +123,7 @@ class MoERow:
     return 3 * forward
 
   def nbytes(self, name: str) -> int:
-    dtype = self.dtype if name in ("x", "ct") else self.param_dtype
+    dtype = self.param_dtype if name in self.weight_names else self.dtype
     return math.prod(self.shapes[name]) * jnp.dtype(dtype).itemsize
 
   def key(self) -> list:
@@ -161,9 +184,30 @@ def train_step(layer: MoE, weight_names: tuple[str, ...]) -> Callable:
   return step
 
 
+def _grouped(x, w, sizes):
+  """The kernel under test in fused_gemms (a module function, so that tests can stand in)."""
+  return grouped_matmul(x, w, sizes, impl="fused")
+
+
+def expert_gemms(x_rows, h_rows, dy_rows, sizes, *weights):
+  """The expert MLP's grouped GEMMs of one step, without anything around them: each first
+  projection x_rows @ wi and h_rows @ wo forward, and the dx and dw of each (dy_rows the
+  cotangent of the second, h_rows' first columns reused for the first ones')."""
+  *wi, wo = weights
+
+  def forward(x, h, wi, wo):
+    return [_grouped(x, w, sizes) for w in wi], _grouped(h, wo, sizes)
+
+  (ys, z), vjp = jax.vjp(forward, x_rows, h_rows, tuple(wi), wo)
+  return vjp(([h_rows.astype(y.dtype) for y in ys], dy_rows.astype(z.dtype)))
+
+
 def make_variant(name: str, row: MoERow) -> Variant:
-  """The variant `name` (one of MOE_VARIANTS); x comes first, the input a loop-mode chain makes
-  depend on the previous call (through the loss, the output's first leaf)."""
+  """The variant `name` (one of MOE_VARIANTS); x (x_rows) comes first, the input a loop-mode
+  chain makes depend on the previous call (through the output's first leaf)."""
+  if name == "fused_gemms":
+    return Variant(name, expert_gemms, ("x_rows", "h_rows", "dy_rows", "group_sizes",
+                                        *row.gemm_weight_names))
   fn = train_step(_layer(row, _IMPLS[name]), row.weight_names)
   return Variant(name, fn, ("x", "ct", *row.weight_names))
 
@@ -194,7 +238,9 @@ def _layer_initializer(row: MoERow, sharding: NamedSharding) -> Callable:
 
 def make_inputs(row: MoERow, mesh: Mesh, n_sets: int, seed: int) -> list[dict[str, jax.Array]]:
   """`n_sets` input sets, shared by every variant: x and ct fresh standard-normal data in the
-  row's dtype, the params the layer's own initializers draw (float32)."""
+  row's dtype, the params the layer's own initializers draw (float32); for fused_gemms the
+  rows x_rows, h_rows and dy_rows likewise, the expert params cast to the dtype, and the group
+  sizes the router gives on the first set."""
   sharding = NamedSharding(mesh, P())
   base = jax.random.fold_in(jax.random.key(seed), zlib.crc32(repr(row.key()).encode()) >> 1)
   init = _initializer(row, sharding)
@@ -202,10 +248,15 @@ def make_inputs(row: MoERow, mesh: Mesh, n_sets: int, seed: int) -> list[dict[st
   for s in range(n_sets):
     key = jax.random.fold_in(base, s)
     arrays = {name: random_input(row.shapes[name], row.dtype, sharding)(jax.random.fold_in(key, i))
-              for i, name in enumerate(("x", "ct"))}
+              for i, name in enumerate(("x", "ct", "x_rows", "h_rows", "dy_rows"))}
     params = init(jax.random.fold_in(key, 2))
     arrays.update({name: params[name] for name in row.weight_names})
+    arrays.update({f"{n}_{row.dtype}": params[n].astype(row.dtype) for n in row.weight_names
+                   if n != "gate"})
     sets.append(arrays)
+  sizes = jnp.asarray(expert_rows(row, sets[0]), jnp.int32)
+  for arrays in sets:
+    arrays["group_sizes"] = jax.device_put(sizes, sharding)
   jax.block_until_ready(sets)
   return sets
 
@@ -266,6 +317,9 @@ def bench_row(row: MoERow, mesh: Mesh, variants: list[str], args, log=print) -> 
       errors[name] = error_text(e)
       continue
     prepared[name] = prep
+    if name not in STEP_VARIANTS:  # fused_gemms: its GEMMs' time alone, no loss
+      del y
+      continue
     losses[name] = dict(zip(LOSS_TERMS, (float(v) for v in np.asarray(y[0], np.float64))))
     outputs[name] = (_last_set(prep.timed), y)
     del y
@@ -280,11 +334,7 @@ def bench_row(row: MoERow, mesh: Mesh, variants: list[str], args, log=print) -> 
       errors["comparison"] = error_text(e)
     del y_f, y_r
   outputs.clear()
-  try:
-    rows_per_expert = expert_rows(row, input_sets[0])
-  except Exception as e:  # noqa: BLE001
-    rows_per_expert = None
-    errors["expert_rows"] = error_text(e)
+  rows_per_expert = [int(n) for n in np.asarray(input_sets[0]["group_sizes"])]
   samples = time_interleaved(prepared, args.repeats, errors)
   record = summarize_row(row, samples, errors, losses, checks,
                          {n: p.timed.calls for n, p in prepared.items()},
@@ -309,7 +359,7 @@ def _warnings(row: MoERow, ms: dict, losses: dict, checks: dict | None) -> list[
   out = []
   floor = _floor_ms(row)
   for v, t in ms.items():
-    if t is not None and t < floor:
+    if v in STEP_VARIANTS and t is not None and t < floor:
       out.append(f"{v}: {t:.4g} ms per call is below the time to move its bytes once at "
                  f"{FLOOR_BANDWIDTH / 1e12:g} TB/s ({floor:.4g} ms): calls were dropped or "
                  "merged")
@@ -335,6 +385,7 @@ def summarize_row(row: MoERow, samples: dict, errors: dict, losses: dict, checks
     if t is None and v not in errors:
       errors[v] = "not requested"
   checks = checks or {}
+  gemm_share = ratio(ms["fused_gemms"], ms["fused"])
   return {
       "op": row.op, "name": row.name, "M": row.M, "hidden": row.hidden,
       "intermediate": row.intermediate, "experts": row.experts, "top_k": row.top_k,
@@ -350,10 +401,14 @@ def summarize_row(row: MoERow, samples: dict, errors: dict, losses: dict, checks
       "spread_ms": {v: ([min(samples[v]), max(samples[v])] if samples.get(v) else None)
                     for v in MOE_VARIANTS},
       "samples_ms": samples,
-      "tflops": {v: (None if t is None else row.flops / t / 1e9) for v, t in ms.items()},
+      "tflops": {v: (None if t is None else
+                     (row.gemm_flops if v == "fused_gemms" else row.flops) / t / 1e9)
+                 for v, t in ms.items()},
+      "gemm_share": gemm_share,
+      "outside_gemms_share": None if gemm_share is None else 1 - gemm_share,
       "ratios": {k: ratio(ms[a], ms[b]) for k, (a, b) in RATIOS.items()},
-      "loss": {v: (losses[v]["total"] if v in losses else None) for v in MOE_VARIANTS},
-      "loss_terms": {v: losses.get(v) for v in MOE_VARIANTS},
+      "loss": {v: (losses[v]["total"] if v in losses else None) for v in STEP_VARIANTS},
+      "loss_terms": {v: losses.get(v) for v in STEP_VARIANTS},
       "loss_rel_diff": checks.get("loss_rel_diff"),
       "output_loss_rel_diff": checks.get("output_loss_rel_diff"),
       "grad_rel_diff": checks.get("grad_rel_diff"),
@@ -367,8 +422,8 @@ def _row_label(r: dict) -> str:
 
 
 def summarize_table(rows: list[dict]) -> dict[str, Any]:
-  """ragged_over_fused: rows measured, mean and the worst (lowest); each check: the worst
-  (largest) difference and its row."""
+  """ragged_over_fused: rows measured, mean and the worst (lowest); each check and the share
+  outside the GEMMs: the worst (largest) and its row."""
   out: dict[str, Any] = {}
   for key in RATIOS:
     pairs = [(r["ratios"][key], _row_label(r)) for r in rows if r["ratios"].get(key) is not None]
@@ -377,7 +432,8 @@ def summarize_table(rows: list[dict]) -> dict[str, Any]:
       out[key] = {"rows": len(pairs), "of_rows": len(rows),
                   "mean": statistics.fmean(p[0] for p in pairs),
                   "worst": worst[0], "worst_row": worst[1]}
-  for key in ("loss_rel_diff", "output_loss_rel_diff", "grad_rel_diff_max"):
+  for key in ("loss_rel_diff", "output_loss_rel_diff", "grad_rel_diff_max",
+              "outside_gemms_share"):
     pairs = [(r[key], _row_label(r)) for r in rows if r.get(key) is not None]
     if pairs:
       worst = max(pairs)
@@ -392,11 +448,12 @@ def format_table(result: dict) -> str:
   if not rows:
     return "(no rows)"
   lines = ["MoE layer train step (forward + backward): ms per call, TF/s (3x the forward's "
-           "matmul FLOPs); r/f = ragged_dot's time over fused's;",
+           "matmul FLOPs); r/f = ragged_dot's time over fused's; out = the share of fused's "
+           "step outside its grouped GEMMs;",
            "loss = ragged_dot's; d loss, d grad = relative differences of fused's loss and "
            "gradients (the largest) from ragged_dot's",
            f"{'name':<16}{'M':>7}{'E':>5}{'k':>3}{'rows/expert':>13}{'fused':>10}{'ragged':>10}"
-           f"{'r/f':>7}{'TF fused':>10}{'TF ragged':>10}{'loss':>11}{'d loss':>10}"
+           f"{'r/f':>7}{'out':>6}{'TF fused':>10}{'TF ragged':>10}{'loss':>11}{'d loss':>10}"
            f"{'d grad':>10}"]
   for r in rows:
     ms, tf = r["ms"], r["tflops"]
@@ -405,6 +462,7 @@ def format_table(result: dict) -> str:
     lines.append(f"{r['name']:<16}{r['M']:>7}{r['experts']:>5}{r['top_k']:>3}{spread:>13}"
                  f"{fmt(ms['fused']):>10}{fmt(ms['ragged_dot']):>10}"
                  f"{fmt(r['ratios']['ragged_over_fused'], '.2f'):>7}"
+                 f"{fmt(r['outside_gemms_share'], '.2f'):>6}"
                  f"{fmt(tf['fused'], '.1f'):>10}{fmt(tf['ragged_dot'], '.1f'):>10}"
                  f"{fmt(r['loss']['ragged_dot'], '.4g'):>11}{fmt(r['loss_rel_diff'], '.1e'):>10}"
                  f"{fmt(r['grad_rel_diff_max'], '.1e'):>10}")
