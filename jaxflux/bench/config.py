@@ -22,8 +22,8 @@ OP_VARIANTS = {
              "cutlass_fp8_fast", "cutlass_fp8_promoted", "quantize"),
     # One device: the MoE grouped GEMM (grouped_table.py); the *_bwd variants with --backward;
     # fused_<tile>: the kernel with each tile config (jaxflux.tuning.GROUPED_TILES) forced;
-    # tokamax: tokamax.ragged_dot, autotuned (where tokamax is installed); fused_fp8: the kernel on
-# e4m3 operands (FP8_DTYPE).
+    # tokamax: tokamax.ragged_dot, autotuned (where tokamax is installed); fused_fp8: the kernel
+    # on e4m3 operands (GROUPED_FP8_DTYPE).
     "grouped_gemm": ("fused", "ragged_dot", "dense", "tokamax", "fused_fp8", "fused_bwd",
                      "ragged_dot_bwd", "dense_bwd", "tokamax_bwd", "fused_cooperative_128x256",
                      "fused_pingpong_128x128"),
@@ -51,7 +51,7 @@ ROOFLINE_VARIANTS = ("fused", "ragged_dot", "tokamax") + GROUPED_TILE_VARIANTS
 ROUTINGS = ("even", "dirichlet")
 DIRICHLET_ALPHA = 0.5
 GROUPED_TABLE_M = (16384,)
-FP8_DTYPE = "float8_e4m3fn"
+GROUPED_FP8_DTYPE = "float8_e4m3fn"  # fused_fp8's x and w
 # --op grouped_gemm's roofline (grouped_table.measure_rates): the best dense GEMM rate from one
 # large dense GEMM, and the best weight-read rate from a few rows against a weight far larger
 # than L2, both through XLA's dot (cuBLAS) in the run's dtype, per platform: (M, K, N).

@@ -51,12 +51,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxflux.bench.config import (DIRICHLET_ALPHA, FLOOR_BANDWIDTH, FP8_DTYPE,
-                                  GROUPED_BACKWARD, GROUPED_TABLE_M, GROUPED_TILE_VARIANTS,
+from jaxflux.bench.config import (DIRICHLET_ALPHA, FLOOR_BANDWIDTH, GROUPED_BACKWARD,
+                                  GROUPED_FP8_DTYPE, GROUPED_TABLE_M, GROUPED_TILE_VARIANTS,
                                   GROUPED_VARIANTS, ROOFLINE_VARIANTS, ROUTINGS)
-from jaxflux.bench.routings import group_sizes
 from jaxflux.bench.inputs import random_input
 from jaxflux.bench.measure import error_text, prepare, relative_error
+from jaxflux.bench.routings import group_sizes
 from jaxflux.bench.summary import ratio
 from jaxflux.bench.table import error_lines, fmt
 from jaxflux.bench.variants import Variant
@@ -105,7 +105,7 @@ class GroupedRow:
             "x_fp8": (self.M, self.K), "w_fp8": (self.experts, self.N, self.K)}
 
   def input_dtype(self, name: str) -> str:
-    return FP8_DTYPE if name.endswith("_fp8") else self.dtype
+    return GROUPED_FP8_DTYPE if name.endswith("_fp8") else self.dtype
 
   def flops(self, variant: str) -> int:
     return (4 if variant.endswith("_bwd") else 2) * self.M * self.K * self.N
@@ -215,7 +215,7 @@ def set_count(row: GroupedRow, inputs: tuple[str, ...], rotate_mib: float) -> in
 def _random(shape: tuple[int, ...], dtype: str, sharding: NamedSharding) -> Callable:
   """Standard-normal values in dtype (FP8 ones drawn in float32 and rounded: N(0, 1) lies well
   inside e4m3's range)."""
-  if dtype == FP8_DTYPE:
+  if dtype == GROUPED_FP8_DTYPE:
     return jax.jit(lambda key: jax.random.normal(key, shape, jnp.float32).astype(dtype),
                    out_shardings=sharding)
   return random_input(shape, dtype, sharding)

@@ -103,10 +103,13 @@ class MoERow:
             "x_rows": (rows, H), "h_rows": (rows, I), "dy_rows": (rows, H),
             **{f"{n}_{self.dtype}": (E, H, I) for n in wi}, f"wo_{self.dtype}": (E, I, H)}
 
-  @property
-  def gemm_weight_names(self) -> tuple[str, ...]:
-    """fused_gemms' weights: the expert kernels in the computation dtype."""
-    return tuple(f"{n}_{self.dtype}" for n in (*_moe.expert_param_names(self.activation), "wo"))
+  def inputs(self, variant: str) -> tuple[str, ...]:
+    """A variant's inputs, in its order: fused_gemms' the rows, the group sizes and the expert
+    kernels in the computation dtype; the train step's x, ct and the params."""
+    if variant == "fused_gemms":
+      return ("x_rows", "h_rows", "dy_rows", "group_sizes",
+              *(f"{n}_{self.dtype}" for n in self.weight_names[1:]))
+    return ("x", "ct", *self.weight_names)
 
   @property
   def gemm_flops(self) -> int:
@@ -117,10 +120,7 @@ class MoERow:
   @property
   def flops(self) -> int:
     """Matmul FLOPs of one step: 3x the forward's (router and expert MLP)."""
-    projections = len(_moe.expert_param_names(self.activation)) + 1
-    forward = (2 * self.M * self.hidden * self.experts
-               + 2 * self.M * self.top_k * self.hidden * self.intermediate * projections)
-    return 3 * forward
+    return 3 * 2 * self.M * self.hidden * self.experts + self.gemm_flops
 
   def nbytes(self, name: str) -> int:
     dtype = self.param_dtype if name in self.weight_names else self.dtype
@@ -206,21 +206,21 @@ def make_variant(name: str, row: MoERow) -> Variant:
   """The variant `name` (one of MOE_VARIANTS); x (x_rows) comes first, the input a loop-mode
   chain makes depend on the previous call (through the output's first leaf)."""
   if name == "fused_gemms":
-    return Variant(name, expert_gemms, ("x_rows", "h_rows", "dy_rows", "group_sizes",
-                                        *row.gemm_weight_names))
+    return Variant(name, expert_gemms, row.inputs(name))
   fn = train_step(_layer(row, _IMPLS[name]), row.weight_names)
-  return Variant(name, fn, ("x", "ct", *row.weight_names))
+  return Variant(name, fn, row.inputs(name))
 
 
-def set_count(row: MoERow, args) -> int:
+def set_count(row: MoERow, args, names: tuple[str, ...]) -> int:
   """Input sets the variants rotate among so that their calls do not run from L2: enough for the
-  inputs' bytes (params included) to reach --rotate-mib, at most 8 (inputs.input_set_count's
-  rule). One in loop mode with the perturb chain: it makes each call depend on the previous
-  call's loss only, so within a loop step every call but the last could lose its gradients."""
+  bytes of the inputs `names` (params included) to reach --rotate-mib, at most 8
+  (inputs.input_set_count's rule). One in loop mode with the perturb chain: it makes each call
+  depend on the previous call's loss only, so within a loop step every call but the last could
+  lose its gradients."""
   if args.rotate_mib <= 0 or (args.timing == "loop" and chain_kind(args) == "perturb"):
     return 1
-  nbytes = sum(row.nbytes(n) for n in row.shapes)
-  return int(min(8, max(1, math.ceil(args.rotate_mib * 2**20 / nbytes))))
+  nbytes = sum(row.nbytes(n) for n in names if n in row.shapes)
+  return int(min(8, max(1, math.ceil(args.rotate_mib * 2**20 / max(1, nbytes)))))
 
 
 def _initializer(row: MoERow, sharding: NamedSharding) -> Callable:
@@ -236,23 +236,26 @@ def _layer_initializer(row: MoERow, sharding: NamedSharding) -> Callable:
   return jax.jit(lambda key: nn.unbox(layer.init(key, probe))["params"], out_shardings=sharding)
 
 
-def make_inputs(row: MoERow, mesh: Mesh, n_sets: int, seed: int) -> list[dict[str, jax.Array]]:
+def make_inputs(row: MoERow, mesh: Mesh, n_sets: int, seed: int,
+                gemms: bool = True) -> list[dict[str, jax.Array]]:
   """`n_sets` input sets, shared by every variant: x and ct fresh standard-normal data in the
-  row's dtype, the params the layer's own initializers draw (float32); for fused_gemms the
-  rows x_rows, h_rows and dy_rows likewise, the expert params cast to the dtype, and the group
-  sizes the router gives on the first set."""
+  row's dtype, the params the layer's own initializers draw (float32), and the group sizes the
+  router gives on the first set; with `gemms`, fused_gemms' rows x_rows, h_rows and dy_rows
+  likewise and the expert params cast to the dtype."""
   sharding = NamedSharding(mesh, P())
   base = jax.random.fold_in(jax.random.key(seed), zlib.crc32(repr(row.key()).encode()) >> 1)
   init = _initializer(row, sharding)
   sets = []
   for s in range(n_sets):
     key = jax.random.fold_in(base, s)
+    names = ("x", "ct") + (("x_rows", "h_rows", "dy_rows") if gemms else ())
     arrays = {name: random_input(row.shapes[name], row.dtype, sharding)(jax.random.fold_in(key, i))
-              for i, name in enumerate(("x", "ct", "x_rows", "h_rows", "dy_rows"))}
-    params = init(jax.random.fold_in(key, 2))
+              for i, name in enumerate(names)}
+    params = init(jax.random.fold_in(key, len(names)))
     arrays.update({name: params[name] for name in row.weight_names})
-    arrays.update({f"{n}_{row.dtype}": params[n].astype(row.dtype) for n in row.weight_names
-                   if n != "gate"})
+    if gemms:
+      arrays.update({f"{n}_{row.dtype}": params[n].astype(row.dtype) for n in row.weight_names
+                     if n != "gate"})
     sets.append(arrays)
   sizes = jnp.asarray(expert_rows(row, sets[0]), jnp.int32)
   for arrays in sets:
@@ -304,8 +307,9 @@ def _last_set(timed) -> int:
 def bench_row(row: MoERow, mesh: Mesh, variants: list[str], args, log=print) -> dict:
   """Builds, warms up, checks and times the requested variants of one row on mesh's one device;
   returns the row's JSON record."""
-  n_sets = set_count(row, args)
-  input_sets = make_inputs(row, mesh, n_sets, args.seed)
+  names = {n for v in MOE_VARIANTS if v in variants for n in row.inputs(v)}
+  n_sets = set_count(row, args, tuple(names))
+  input_sets = make_inputs(row, mesh, n_sets, args.seed, gemms="fused_gemms" in variants)
   errors: dict[str, str] = {}
   prepared: dict = {}
   outputs: dict[str, tuple[int, Any]] = {}

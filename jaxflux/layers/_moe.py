@@ -37,9 +37,8 @@ from jax import lax
 from jax.sharding import AxisType, PartitionSpec as P
 
 from jaxflux.layers import _layer_mesh as lm
-from jaxflux.ops import (all_gather_grouped_matmul, grouped_matmul,
+from jaxflux.ops import (_fused_sum, all_gather_grouped_matmul, grouped_matmul,
                          grouped_matmul_reduce_scatter, moe_routing)
-from jaxflux.ops import _fused_sum
 from jaxflux.ops._ragged_exchange import ragged_all_to_all
 from jaxflux.ops.moe_routing import sort_by_expert
 
