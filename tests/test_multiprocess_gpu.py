@@ -145,7 +145,7 @@ def test_each_fused_op_once_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
   _assert_same_digests(results, 3)
 
 
-@ranks(quick=())
+@ranks(quick=(), slow=(2, 4, 8))
 def test_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
   results = _run(one_gpu_launcher, tmp_path, "check", timeout=_scaled(180, tp),
                  shared=True, tp=tp)
@@ -173,7 +173,7 @@ def test_fused_op_matrix_sharing_one_gpu(one_gpu_launcher, tmp_path, mode, tp):
     assert out.count("PASS ag ") == 18 and out.count("PASS rs ") == 19, describe(results)
 
 
-@ranks(quick=())
+@ranks(quick=(), slow=(2, 4, 8))
 def test_matmul_all_reduce_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
   """GEMM+AllReduce against float32 NumPy in both processes, and both processes' copies of each
   output the same bits (the worker prints a digest of its copy per case)."""
@@ -187,7 +187,7 @@ def test_matmul_all_reduce_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
   _assert_same_digests(results, 14)
 
 
-@ranks(quick=())
+@ranks(quick=(), slow=(2, 4, 8))
 def test_fp8_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
   """FP8 all_gather_matmul, matmul_reduce_scatter and matmul_all_reduce, impl="fused": x e4m3 or
   e5m2 with an e4m3 weight given [n, K] (transpose_w=True), per-tensor scales that differ
@@ -226,7 +226,7 @@ def test_moe_ops_sharing_one_gpu(one_gpu_launcher, tmp_path, tp, dtypes):
     assert out.count("PASS moe ") == dtypes * 4 * 7 + dtypes * 4, describe(results)
 
 
-@ranks(quick=())
+@ranks(quick=(), slow=(2, 4, 8))
 def test_moe_layer_on_the_fused_ops_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
   """jaxflux.MoE with the experts' intermediate dimension and the tokens over 'tp' runs the fused
   MoE ops with no XLA collective, forward and backward (every param's gradient, the router's
