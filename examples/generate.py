@@ -68,7 +68,9 @@ from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxflux  # noqa: E402
-# The training example's model code (the script's folder is on sys.path when run as a script).
+# The training example's model code and the profile's reader (the script's folder is on
+# sys.path when run as a script).
+import kernel_profile  # noqa: E402
 import train_tp_transformer as train  # noqa: E402
 
 Cache = list  # per layer, (keys, values), each [batch, max_len, heads, head_dim]
@@ -257,9 +259,11 @@ def compiled_steps(model, variables, prompts, cache):
   return out
 
 
-def generate(model, variables, prompts, cache, new_tokens: int) -> dict:
+def generate(model, variables, prompts, cache, new_tokens: int, profile_steps: int = 0) -> dict:
   """Prefill, then new_tokens - 1 decode steps, each timed until its token is ready (the
-  median is the per-token latency; the first step's one-time costs fall outside it)."""
+  median is the per-token latency; the first step's one-time costs fall outside it). Then,
+  with profile_steps, that many more decode steps (on the timed steps' positions again: the
+  same work) under JAX's profiler: where their GPU time went (kernel_profile.breakdown)."""
   prefill, prefill_compile_s, decode, decode_compile_s = compiled_steps(model, variables,
                                                                         prompts, cache)
   batch, length = prompts.shape
@@ -280,12 +284,22 @@ def generate(model, variables, prompts, cache, new_tokens: int) -> dict:
     tokens.append(token)
     all_logits.append(logits)
   median = float(np.median(step_s))
+  profile = None
+  if profile_steps:
+    state = dict(token=token, cache=cache, i=0)
+
+    def step():  # the cache is donated: each step takes the last one's
+      pos = positions[state["i"] % len(positions)]
+      state["token"], _, state["cache"] = decode(variables, state["token"], state["cache"], pos)
+      state["i"] += 1
+      return state["token"]
+    profile = kernel_profile.profile(step, profile_steps)
   return dict(tokens=np.stack(jax.device_get(tokens), 1),
               logits=np.stack(jax.device_get(all_logits), 1),
               compile_s=dict(prefill=prefill_compile_s, decode_step=decode_compile_s),
               prefill_ms=1e3 * prefill_s, prefill_tokens_per_s=batch * length / prefill_s,
               step_ms=[1e3 * s for s in step_s], step_ms_median=1e3 * median,
-              tokens_per_s=batch / median)
+              tokens_per_s=batch / median, profile=profile)
 
 
 def compare(ours: dict, ref: dict) -> dict:
@@ -315,11 +329,24 @@ def run(label: str, args, mesh, dense, variables, prompts, log, dtype: str | Non
         moe_impl: str = "xla") -> dict:
   model = build_decoder(args, dense, dtype, moe_impl)
   cache = empty_cache(args, mesh, args.prompt_len + args.new_tokens, dtype)
-  r = generate(model, variables, prompts, cache, args.new_tokens)
+  r = generate(model, variables, prompts, cache, args.new_tokens, args.profile)
   log(f"[{label}] compile: prefill {r['compile_s']['prefill']:.2f} s, decode step "
       f"{r['compile_s']['decode_step']:.2f} s; prefill {r['prefill_ms']:.2f} ms "
       f"({r['prefill_tokens_per_s']:,.0f} tokens/s); decode {r['step_ms_median']:.3f} ms/token "
       f"(median of {len(r['step_ms'])}), {r['tokens_per_s']:,.0f} tokens/s")
+  if args.profile:
+    p = r["profile"]
+    if p is None:
+      log(f"[{label}] profile: no GPU kernels in it (the profile splits GPU time only)")
+    else:
+      # Outside the GEMMs: the decode step's time less its GEMM kernels' (the step's median,
+      # not the profiled steps' time, which the profiler's own work lengthens).
+      p["outside_gemm_ms"] = r["step_ms_median"] - p["gemm_ms"]
+      p["idle_ms"] = r["step_ms_median"] - p["busy_ms"]
+      log(f"[{label}] profile of {p['steps']} decode steps, per step: GEMM kernels "
+          f"{p['gemm_ms']:.3f} ms ({p['gemm_calls']:.0f} calls), other kernels and copies "
+          f"{p['other_ms']:.3f} ms ({p['other_calls']:.0f}), GPU idle {p['idle_ms']:.3f} ms; "
+          f"outside the GEMMs {p['outside_gemm_ms']:.3f} of {r['step_ms_median']:.3f} ms")
   return r
 
 
@@ -373,6 +400,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "--ffn, TOP_K per token; each expert's width split over tp), as the "
                       "training example's --moe. jaxflux's model runs them on the grouped GEMM "
                       "(--impl), the reference on lax.ragged_dot. Dense MLPs without it")
+  p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                 help="after the timed steps, run STEPS more decode steps of each model under "
+                      "JAX's profiler and report, per step, the GPU's time in GEMM kernels, in "
+                      "other kernels and copies, and idle: the time outside the GEMMs is what "
+                      "per-call costs add to (GPUs only; 0: no profile)")
   p.add_argument("--quiet", action="store_true", help="print the comparisons only")
   p.add_argument("--out", metavar="FILE.json", help="write config, timings, the comparisons, "
                  "machine and versions")
@@ -386,7 +418,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.set_defaults(**PRESETS.get(train.preset_arg(argv, "small"), {}))
   args = p.parse_args(argv)
   train.check_at_least(p, args, dict(batch=1, prompt_len=1, hidden=1, heads=1, layers=1, ffn=1,
-                                     vocab=1, tp=1, seed=0))
+                                     vocab=1, tp=1, seed=0, profile=0))
   if args.new_tokens < 2:
     p.error(f"--new-tokens {args.new_tokens} must be at least 2: the first new token comes from "
             "the prefill, the others from the timed decode steps")
@@ -494,6 +526,10 @@ def run_example(args, argv: Sequence[str] | None) -> dict:
           f"({ours['tokens_per_s']:,.0f} tokens/s), {args.dtype} without FP8 "
           f"{base['step_ms_median']:.3f} ms/token ({base['tokens_per_s']:,.0f} tokens/s): "
           f"{base['step_ms_median'] / ours['step_ms_median']:.2f}x")
+  if all(r["profile"] for r in (ours, ref)):
+    a, b = ours["profile"]["outside_gemm_ms"], ref["profile"]["outside_gemm_ms"]
+    print(f"decode time outside the GEMM kernels: jaxflux.Dense {a:.3f} ms/token, "
+          f"flax.linen.Dense {b:.3f} ({a / b:.2f}x)")
   # A non-finite logit is wrong in any dtype.
   nonfinite = [name for name, r in {**runs, "float32 reference": reference}.items()
                if not np.isfinite(r["logits"]).all()]

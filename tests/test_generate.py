@@ -302,6 +302,72 @@ def test_fp8(gen, capsys):
       np.testing.assert_allclose(meta[name], theirs[key][name], rtol=2e-2, err_msg=str(key))
 
 
+# Two GPUs' planes as the profiler writes them (times in ps): GEMM kernels (cuBLAS's nvjet,
+# a CUTLASS kernel) and others on two streams whose spans overlap, a derived line that repeats
+# the streams' time, and the host's plane; every figure below is worked out by hand from them.
+_XSPACE = """
+planes { id: 1 name: "/device:GPU:0"
+  lines { id: 1 name: "Stream #7(Compute)"
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 4000000 }
+    events { metadata_id: 3 offset_ps: 5000000 duration_ps: 1000000 }
+    events { metadata_id: 2 offset_ps: 10000000 duration_ps: 3000000 } }
+  lines { id: 2 name: "Stream #9(MemcpyD2D)"
+    events { metadata_id: 4 offset_ps: 2000000 duration_ps: 4000000 } }
+  lines { id: 3 name: "XLA Ops"
+    events { metadata_id: 5 offset_ps: 0 duration_ps: 13000000 } }
+  event_metadata { key: 1 value { id: 1 name: "nvjet_tst_64x8_64x16_4x1_v_bz_TNT" } }
+  event_metadata { key: 2 value { id: 2 name: "void cutlass::device_kernel<GemmKernel>(Params)" } }
+  event_metadata { key: 3 value { id: 3 name: "loop_add_fusion" } }
+  event_metadata { key: 4 value { id: 4 name: "MemcpyD2D" } }
+  event_metadata { key: 5 value { id: 5 name: "dot.1" } } }
+planes { id: 2 name: "/device:GPU:1"
+  lines { id: 1 name: "Stream #7(Compute)"
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 2000000 } }
+  event_metadata { key: 1 value { id: 1 name: "nvjet_tst_64x8_64x16_4x1_v_bz_TNT" } } }
+planes { id: 3 name: "/host:CPU"
+  lines { id: 1 name: "python"
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 90000000 } }
+  event_metadata { key: 1 value { id: 1 name: "sgemm_on_the_host_is_not_counted" } } }
+"""
+
+
+def test_kernel_profile_splits_gpu_time_per_step():
+  """--profile's reader: per step (2 here) and per GPU (mean of two), the GEMM kernels' time and
+  count, the other kernels' and copies', the time any stream was busy (overlaps counted once),
+  the longest kernels; derived lines and the host's plane left out."""
+  sys.path.insert(0, str(EXAMPLE.parent))
+  try:
+    kernel_profile = load_script(EXAMPLE.parent / "kernel_profile.py", "kernel_profile")
+  finally:
+    sys.path.remove(str(EXAMPLE.parent))
+  data = jax.profiler.ProfileData.from_text_proto(_XSPACE)
+  b = kernel_profile.breakdown(data, steps=2)
+  # GPU 0: GEMMs 4 + 3 us in 2 calls, others 1 + 4 us in 2, busy [0, 6) + [10, 13) = 9 us;
+  # GPU 1: one 2 us GEMM, busy 2 us. Mean over GPUs, per step (/ 2 / 2).
+  assert b["steps"] == 2 and b["gpus"] == 2
+  assert b["gemm_ms"] == pytest.approx((7 + 2) / 4 / 1e3)
+  assert b["gemm_calls"] == pytest.approx(3 / 4)
+  assert b["other_ms"] == pytest.approx(5 / 4 / 1e3)
+  assert b["other_calls"] == pytest.approx(2 / 4)
+  assert b["busy_ms"] == pytest.approx((9 + 2) / 4 / 1e3)
+  assert b["lines"] == ["Stream #7(Compute)", "Stream #9(MemcpyD2D)"]
+  names = [k[0] for k in b["top_kernels"]]
+  assert names[0].startswith("nvjet") and names[1] == "MemcpyD2D" and len(names) == 4
+  assert b["top_kernels"][0][1:] == pytest.approx([6 / 4 / 1e3, 2 / 4])
+  assert kernel_profile.breakdown(jax.profiler.ProfileData.from_text_proto(
+      'planes { id: 1 name: "/host:CPU" }'), steps=2) is None
+
+
+def test_profile_flag_runs_and_says_it_saw_no_gpu_kernels_on_cpu(gen, capsys):
+  if jax.devices()[0].platform != "cpu":
+    pytest.skip("the GPU test profiles on GPUs")
+  argv = [a for a in TINY if a != "--quiet"] + ["--tp", "2", "--profile", "2"]
+  result = gen.main(argv)
+  out = capsys.readouterr().out
+  assert result["ok"] and result["jaxflux"]["profile"] is None
+  assert out.count("profile: no GPU kernels in it") == 2, out
+
+
 def test_decoder_has_the_training_models_params(gen):
   """Same param tree, shapes and partitioning as the training example's model, so its params
   (and a checkpoint of them) load as they are."""
@@ -382,6 +448,7 @@ def test_help(gen, capsys, preset):
     (["--vocab", "0"], "--vocab 0 must be at least 1"),
     (["--tp", "0"], "--tp 0 must be at least 1"),
     (["--seed", "-1"], "--seed -1 must be at least 0"),
+    (["--profile", "-1"], "--profile -1 must be at least 0"),
     (["--heads", "6"], "--hidden 64 must be divisible by --heads 6: use a --heads that divides 64"),
     (["--impl", "fused"], "--impl fused needs --dtype bfloat16"),
     (["--fp8"], "--fp8 needs --dtype bfloat16, not float32: FP8 stands in for 16-bit matmuls"),

@@ -20,7 +20,7 @@ SMALL = ["--tp", "1", "--impl", "fused", "--dtype", "bfloat16", "--prompt-len", 
 # 19 to 25 s each on one H100: the full tier's.
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [
-    pytest.param([], id="dense"),
+    pytest.param(["--profile", "2"], id="dense"),
     pytest.param(["--moe", "4,2"], id="moe-top2"),
     pytest.param(["--moe", "4,1"], id="moe-top1"),
     pytest.param(["--batch", "1"], id="batch1"),
@@ -40,3 +40,13 @@ def test_decodes_with_the_fused_kernels_as_close_to_float32_as_flax(gen, extra):
   assert vs["jaxflux"]["rel_logit_diff"] < 5e-2, vs
   for run in (result["jaxflux"], result["flax"]):
     assert run["step_ms_median"] > 0 and len(run["step_ms"]) == 7
+  if "--profile" in extra:  # the profile's reader finds the GPU's kernels, GEMMs among them
+    for name, run in (("jaxflux", result["jaxflux"]), ("flax", result["flax"])):
+      p = run["profile"]
+      assert p is not None and p["gpus"] == gpus and p["steps"] == 2, (name, p)
+      # 2 layers x 4 projections (swiglu: fc1 may be 2) and the LM head, at least
+      assert p["gemm_calls"] >= 9 and p["gemm_ms"] > 0 and p["other_calls"] > 0, (name, p)
+      assert 0 < p["busy_ms"] < 2 * run["step_ms_median"], (name, p)
+      assert p["outside_gemm_ms"] == pytest.approx(run["step_ms_median"] - p["gemm_ms"])
+    kernels = [k[0].lower() for k in result["jaxflux"]["profile"]["top_kernels"]]
+    assert any("cutlass" in k for k in kernels), kernels  # jaxflux's GEMMs, counted as GEMMs
