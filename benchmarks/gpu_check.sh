@@ -12,12 +12,12 @@
 #                      one GPU.
 #                      Meant to take under 3 minutes on one H100 (benchmarks/README.md); run
 #                      it for every change to GPU code.
-#             full     all of the chunks below, each meant to fit 9 minutes on one H200 (one
-#                      device call each): kernels (the 16-bit GEMM-only and grouped kernels in
+#             full     all of the chunks below, each under 8 minutes on one H100 (one device
+#                      call each; benchmarks/README.md has their times): kernels (the 16-bit GEMM-only and grouped kernels in
 #                      full, and the tp=1 shape fuzz), fp8_ag and fp8_rest (the FP8 GEMM-only
 #                      kernels on AG+GEMM's shapes, then on the others), ops (the fused ops
-#                      across two processes: the shape fuzz, the MLP, the dead peer, FP8; the
-#                      training example), matrix and
+#                      sharing one GPU at tp=2: each op in full, FP8, the MoE ops and layer,
+#                      the shape fuzz, the MLP, the dead peer; the training example), matrix and
 #                      matrix_pingpong (the 16-bit shape matrix, GEMM+RS's own-rows schedule as
 #                      chosen and forced to ping-pong), tp4 and tp8 (every shared-GPU test but
 #                      the matrix and the fuzz with 4 and 8 processes on one GPU), fuzz_tp4 (the
