@@ -132,7 +132,7 @@ def test_every_record_names_a_result_file_that_exists_and_says_why():
 def test_exact_keys_come_before_wildcards(monkeypatch):
   wild = tuning.Entry(RS, "sm90", "*", "*", "x", {}, "e", "w")
   exact = tuning.Entry(RS, "sm90", "float16", 2, "x", {}, "e", "w")
-  monkeypatch.setattr(tuning, "ENTRIES", (wild, exact))
+  monkeypatch.setattr(tuning.chooser, "ENTRIES", (wild, exact))  # the module lookup reads
   assert tuning.lookup(RS, "float16", 2, "x") is exact
   assert tuning.lookup(RS, "bfloat16", 2, "x") is wild
 

@@ -10,10 +10,11 @@ import math
 
 import jax.numpy as jnp
 
-from jaxflux import _runtime, tuning
+from jaxflux import _runtime
+from jaxflux.tuning import chooser
 
 
-def choose(op: str, x, w, *, tp: int, transpose_w: bool, out_dtype) -> tuning.Tuned:
+def choose(op: str, x, w, *, tp: int, transpose_w: bool, out_dtype) -> chooser.Tuned:
   """The configuration of `op` on per-device x [..., m, K] and w [K, n] ([n, K] with
   transpose_w) at group size tp, writing out_dtype (the partials the ops push are in it). At
   tp=1 an op is its GEMM alone, tuned as GEMM+AllReduce tunes its GEMM (by rows)."""
@@ -22,17 +23,17 @@ def choose(op: str, x, w, *, tp: int, transpose_w: bool, out_dtype) -> tuning.Tu
   k = x.shape[-1]
   itemsize = jnp.dtype(out_dtype).itemsize
   if tp == 1:
-    return tuning.choose_tp1_gemm(dtype=name, rows=math.prod(x.shape[:-1]), k=k, n=n,
+    return chooser.choose_tp1_gemm(dtype=name, rows=math.prod(x.shape[:-1]), k=k, n=n,
                                   itemsize=itemsize)
   batch, m = math.prod(x.shape[:-2]), x.shape[-2]
   if op == "all_gather_matmul":
-    tuned = tuning.choose_all_gather_matmul(dtype=name, tp=tp, rows=batch * tp * m, k=k, n=n,
+    tuned = chooser.choose_all_gather_matmul(dtype=name, tp=tp, rows=batch * tp * m, k=k, n=n,
                                             sms=_runtime.sm_count(), shard_rows=m)
   elif op == "matmul_reduce_scatter":
-    tuned = tuning.choose_matmul_reduce_scatter(dtype=name, tp=tp, batch=batch, m=m // tp, k=k,
+    tuned = chooser.choose_matmul_reduce_scatter(dtype=name, tp=tp, batch=batch, m=m // tp, k=k,
                                                 n=n, itemsize=itemsize)
   else:
-    tuned = tuning.choose_matmul_all_reduce(dtype=name, tp=tp, batch=batch, m=m, k=k, n=n,
+    tuned = chooser.choose_matmul_all_reduce(dtype=name, tp=tp, batch=batch, m=m, k=k, n=n,
                                             itemsize=itemsize)
   return _leave_sms_to_peers(tuned)
 
@@ -43,7 +44,7 @@ def choose(op: str, x, w, *, tp: int, transpose_w: bool, out_dtype) -> tuning.Tu
 SHARED_GPU_FREE_SMS = 32
 
 
-def _leave_sms_to_peers(tuned: tuning.Tuned) -> tuning.Tuned:
+def _leave_sms_to_peers(tuned: chooser.Tuned) -> chooser.Tuned:
   """tuned, its grid capped at SMs - SHARED_GPU_FREE_SMS where processes share a GPU (every
   process caps alike: the rule reads the job-wide ranks_per_gpu)."""
   sms = _runtime.sm_count()

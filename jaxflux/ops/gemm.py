@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflux import _runtime, tuning
+from jaxflux import _runtime
+from jaxflux.tuning import chooser
 from jaxflux.ops import _attributes, _common, _plan, _platform
 
 KERNELS = {"cutlass": 0, "all_gather_matmul": 1, "own_rows": 2, "matmul_all_reduce": 0}
@@ -79,12 +80,12 @@ def choose(kernel: str, dtype, rows: int, k: int, n: int, out_itemsize: int | No
   name = jnp.dtype(dtype).name
   itemsize = jnp.dtype(dtype).itemsize if out_itemsize is None else out_itemsize
   if kernel == "all_gather_matmul":
-    return tuning.choose_all_gather_matmul(dtype=name, tp=2, rows=rows, k=k, n=n,
+    return chooser.choose_all_gather_matmul(dtype=name, tp=2, rows=rows, k=k, n=n,
                                            sms=_runtime.sm_count(),
                                            shard_rows=rows // 2 if rows % 2 == 0 else 0).choice
   if kernel == "matmul_all_reduce":
-    return tuning.choose_tp1_gemm(dtype=name, rows=rows, k=k, n=n, itemsize=itemsize).choice
-  return tuning.choose_own_rows_gemm(dtype=name, rows=rows, k=k, n=n, itemsize=itemsize).choice
+    return chooser.choose_tp1_gemm(dtype=name, rows=rows, k=k, n=n, itemsize=itemsize).choice
+  return chooser.choose_own_rows_gemm(dtype=name, rows=rows, k=k, n=n, itemsize=itemsize).choice
 
 
 def attributes(kernel: str, choice) -> dict:

@@ -108,3 +108,16 @@ def check_fields(op: str, fields: dict) -> None:
     if not ok:
       raise ValueError(f"jaxflux.tuning.override({op!r}): {name}={value!r} is not valid; "
                        f"{name} takes {takes}.")
+
+
+def shape_classes(op: str) -> tuple:
+  """Every shape class of `op`: the names its classifier (jaxflux.tuning.chooser) returns and
+  the tables are keyed by."""
+  check_op(op)
+  if op == "all_gather_matmul":
+    return ("few_waves", "many_waves", "many_waves.wide_bands")
+  if op == "matmul_all_reduce":
+    return ("decode", "prefill.rows_lt_2048", "prefill.rows_ge_2048")
+  return ("tp_not_2", "batched") + tuple(
+      f"{base}.{rows}" for base in ("whole_epilogue", "chunked", "chunked_long_k")
+      for rows in ("rows_lt_2048", "rows_ge_2048"))

@@ -27,9 +27,8 @@ import logging
 import os
 import pathlib
 
-from jaxflux.tuning.classes import shape_classes
 from jaxflux.tuning.device import Device
-from jaxflux.tuning.fields import check_fields
+from jaxflux.tuning.fields import check_fields, shape_classes
 
 FORMAT = "jaxflux.tuning/1"
 ENV_DIR = "JAXFLUX_TUNING_DIR"
