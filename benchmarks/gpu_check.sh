@@ -34,6 +34,10 @@
 #           where .whl/tokamax holds its wheels); with two or more
 #           GPUs also both fused ops and the all-gather against XLA at tp=2. TABLES narrows
 #           them by output name (e.g. TABLES=h100_fp8_gemm).
+#   generate  the generation example at the llama70b-8l preset (batch 16, bfloat16), jaxflux.Dense
+#           against flax.linen.Dense with each decode step's GPU time split by the profiler:
+#           --impl fused, --impl auto, fused at batch 1, fused with --fp8 (GENERATE_RUNS picks;
+#           each as <gpu>_generate_<run>.json)
 #   train   the training example (llama70b-8l preset, $TRAIN_STEPS steps, default 60) in modes
 #           jaxflux, xla and windowed; needs two GPUs
 #   wheel   build once, install everywhere: `pip wheel` here (into OUTDIR/wheel), then a fresh
@@ -184,6 +188,22 @@ if stage tables; then
     done
     bench ${GPU_NAME}x2_all_gather_tp2 --op all_gather --tp 2 --sizes-mib 16,32,64,128,256
   fi
+fi
+
+if stage generate; then
+  # The generation example at the llama70b-8l preset against flax.linen.Dense, each decode step's
+  # GPU time split by the profiler (GEMM kernels, other kernels, idle); GENERATE_RUNS picks runs.
+  for run in ${GENERATE_RUNS:-fused auto fused_b1 fp8}; do
+    case $run in
+      fused) flags=(--impl fused) ;;  auto) flags=(--impl auto) ;;
+      fused_b1) flags=(--impl fused --batch 1) ;;  fp8) flags=(--impl fused --fp8) ;;
+      *) echo "generate: unknown run $run (fused, auto, fused_b1, fp8)"; status=1; continue ;;
+    esac
+    timeout "${GENERATE_TIMEOUT:-300}" python3 examples/generate.py --preset llama70b-8l \
+      --dtype bfloat16 --new-tokens 32 --profile 8 "${flags[@]}" \
+      --out "$OUTDIR/${GPU_NAME}_generate_$run.json" > "$OUTDIR/generate_$run.log" 2>&1 || status=1
+    grep -E "decode|profile|outside" "$OUTDIR/generate_$run.log" | cut -c1-220
+  done
 fi
 
 if stage train; then
