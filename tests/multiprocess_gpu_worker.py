@@ -95,7 +95,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxflux  # noqa: E402
 from jaxflux import _runtime, tuning  # noqa: E402
-from jaxflux.ops import _fused, all_gather  # noqa: E402
+from jaxflux.ops import all_gather  # noqa: E402
+
+import fused_calls  # noqa: E402
 
 # Every jaxflux call of this process is traced inside these overrides.
 _overrides = contextlib.ExitStack()
@@ -762,7 +764,7 @@ def run_die():
 
   def rs_with(reduce):  # traced and compiled here, inside the override
     with tuning.override("matmul_reduce_scatter", reduce=reduce):
-      return shard_mapped(lambda x, w: _fused.matmul_reduce_scatter(x, w, "tp"), rs_in,
+      return shard_mapped(lambda x, w: fused_calls.matmul_reduce_scatter(x, w, "tp"), rs_in,
                           P("tp", None)).lower(*rs_args).compile()
 
   gather = shard_mapped(lambda x: all_gather.all_gather(x, "tp", impl="fused")[None],

@@ -12,9 +12,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxflux
+import fused_calls
 import hlo_util
 from jaxflux import _runtime, tuning
-from jaxflux.ops import _fused
 from jaxflux.ops.gemm import gemm
 from gpu_util import (TOL, bench_shapes, check_back_to_back, check_matmul_grads, gpu_mesh,
                       operands, reference, rel_err)
@@ -186,7 +186,7 @@ def test_every_tile_config_matches_reference(tile, local_read, shard_rows, K, N,
   spec = _x_spec(x.ndim)
   w0 = w[:, :N]
   with tuning.override("all_gather_matmul", tile=tile, local_read=local_read):
-    body = lambda x, w: _fused.all_gather_matmul(x, w, "tp", False)[0]
+    body = lambda x, w: fused_calls.all_gather_matmul(x, w, "tp", False)[0]
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P(None, "tp")),
                               out_specs=P(*([None] * (x.ndim - 1)), "tp")))
     got = f(x, w)
@@ -210,7 +210,7 @@ def test_weight_given_transposed_matches_reference(tile, dtype, shard_rows, K, N
   wt = jnp.asarray(w.T)  # [N*tp, K]: the kernel gets this array, never w
   spec = _x_spec(x.ndim)
   with tuning.override("all_gather_matmul", tile=tile):
-    body = lambda x, wt: _fused.all_gather_matmul(x, wt, "tp", False, transpose_w=True)[0]
+    body = lambda x, wt: fused_calls.all_gather_matmul(x, wt, "tp", False, transpose_w=True)[0]
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P("tp", None)),
                               out_specs=P(*([None] * (x.ndim - 1)), "tp")))
     got = f(x, wt)
@@ -225,7 +225,7 @@ def test_a_peer_that_never_signals_times_out_instead_of_hanging():
     x, w = operands(17, (tp * 256, 256), (256, 128 * tp), jnp.bfloat16)
 
     def make(skip):
-      body = lambda x, w: _fused.all_gather_matmul(x, w, "tp", False, debug_skip_rank=skip)[0]
+      body = lambda x, w: fused_calls.all_gather_matmul(x, w, "tp", False, debug_skip_rank=skip)[0]
       return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
                                    out_specs=P(None, "tp")))
 

@@ -14,9 +14,10 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxflux
+import fused_calls
 import hlo_util
 from jaxflux import _runtime, tuning
-from jaxflux.ops import _common, _fused
+from jaxflux.ops import _common
 from gpu_util import (ROOT, TOL, check_back_to_back, check_matmul_grads, gpu_mesh, operands,
                       reference, rel_err)
 
@@ -98,7 +99,7 @@ def test_every_tile_and_push_matches_float32_reference(tile, push, M, k, N):
   mesh = gpu_mesh()
   tp = mesh.shape["tp"]
   x, w = operands(M + k, (M, k * tp), (k * tp, N), jnp.bfloat16)
-  body = lambda x, w: _fused.matmul_all_reduce(x, w, "tp")  # noqa: E731
+  body = lambda x, w: fused_calls.matmul_all_reduce(x, w, "tp")  # noqa: E731
   with tuning.override("matmul_all_reduce", tile=tile, push=push):
     got = _ar_fn(mesh, 2, body=body)(x, w)  # traced here, with the override
   _check(got, reference(x, w), jnp.bfloat16)
@@ -110,7 +111,7 @@ def test_weight_given_transposed_matches_reference(M, k, N, batch):
   mesh = gpu_mesh()
   tp = mesh.shape["tp"]
   x, w = operands(M + k + N, batch + (M, k * tp), (k * tp, N), jnp.bfloat16)
-  body = lambda x, wt: _fused.matmul_all_reduce(x, wt, "tp", transpose_w=True)  # noqa: E731
+  body = lambda x, wt: fused_calls.matmul_all_reduce(x, wt, "tp", transpose_w=True)  # noqa: E731
   got = _ar_fn(mesh, x.ndim, body=body, w_spec=P(None, "tp"))(x, jnp.asarray(w.T))
   _check(got, reference(x, w), jnp.bfloat16)
 
@@ -177,7 +178,7 @@ def test_a_peer_that_never_signals_times_out_instead_of_hanging():
     x, w = operands(17, (256, 128 * mesh.shape["tp"]), (128 * mesh.shape["tp"], 256),
                     jnp.bfloat16)
     good = _ar_fn(mesh, 2)
-    hang = _ar_fn(mesh, 2, body=lambda x, w: _fused.matmul_all_reduce(x, w, "tp",
+    hang = _ar_fn(mesh, 2, body=lambda x, w: fused_calls.matmul_all_reduce(x, w, "tp",
                                                                       debug_skip_rank=0))
     good(x, w).block_until_ready()
     start = time.monotonic()

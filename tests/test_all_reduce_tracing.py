@@ -9,8 +9,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxflux
 from jaxflux import _runtime, tuning
-from jaxflux.ops import _fused, _group_call
+from jaxflux.ops import _group_call
 from jaxflux.ops.gemm import gemm
+import fused_calls
 from conftest import make_mesh
 from jaxpr_util import equations, ffi_calls
 from test_fused_tracing import _FakeGpu
@@ -93,7 +94,7 @@ def test_an_overridden_chunked_push_with_batched_x_fails_at_trace_time(workspace
 
 def test_the_weight_given_transposed_reaches_the_call(workspace):
   """transpose_w: w is [N, k]; the output is [.., M, N] all the same."""
-  body = lambda x, wt: _fused.matmul_all_reduce(x, wt, "tp", transpose_w=True)  # noqa: E731
+  body = lambda x, wt: fused_calls.matmul_all_reduce(x, wt, "tp", transpose_w=True)  # noqa: E731
   f = _mapped(body, w_spec=P(None, "tp"))
   x, wt = _sds((16, 128)), _sds((96, 128))
   assert jax.eval_shape(f, x, wt) == _sds((16, 96))

@@ -10,8 +10,9 @@ from jax.sharding import PartitionSpec as P
 import jaxflux
 from jaxflux import _runtime, tuning
 from jaxflux.tuning import device as tuning_device
-from jaxflux.ops import _fused, _platform
+from jaxflux.ops import _platform
 from jaxflux.ops.gemm import gemm
+import fused_calls
 from conftest import make_mesh
 from jaxpr_util import equations, ffi_calls
 
@@ -203,7 +204,7 @@ def test_reduce_scatter_reduction_modes_trace_into_the_call(fake_gpu, tp, reduce
   w = jnp.ones((32 * tp, 32), jnp.bfloat16)
   forced = {} if reduce is None else {"reduce": reduce}
   with tuning.override("matmul_reduce_scatter", **forced):
-    f = _rs_mapped(tp, lambda x, w: _fused.matmul_reduce_scatter(x, w, "tp"))
+    f = _rs_mapped(tp, lambda x, w: fused_calls.matmul_reduce_scatter(x, w, "tp"))
     [(target, attrs)] = ffi_calls(jax.make_jaxpr(f)(x, w))
   assert target == "jaxflux_matmul_reduce_scatter" and attrs["reduce"] == attr
   assert attrs["push_chunks"] == 0 and attrs["debug_skip_rank"] == -1
@@ -217,7 +218,7 @@ def test_reduce_scatter_rejects_reduction_modes_it_lacks(fake_gpu, tp, fields, m
   x = jnp.ones((8 * tp, 32 * tp), jnp.bfloat16)
   w = jnp.ones((32 * tp, 32), jnp.bfloat16)
   with tuning.override("matmul_reduce_scatter", **fields):
-    f = _rs_mapped(tp, lambda x, w: _fused.matmul_reduce_scatter(x, w, "tp"))
+    f = _rs_mapped(tp, lambda x, w: fused_calls.matmul_reduce_scatter(x, w, "tp"))
     with pytest.raises(ValueError, match=match):
       jax.eval_shape(f, x, w)
 
@@ -239,7 +240,7 @@ def test_all_gather_choice_traces_into_the_call(fake_gpu, monkeypatch):
   def attrs_of(m):
     x = jnp.ones((2 * m, 64), jnp.bfloat16)
     w = jnp.ones((64, 64), jnp.bfloat16)
-    f = _shard_mapped(lambda x, w: _fused.all_gather_matmul(x, w, "tp", False)[0])
+    f = _shard_mapped(lambda x, w: fused_calls.all_gather_matmul(x, w, "tp", False)[0])
     [(target, attrs)] = ffi_calls(jax.make_jaxpr(f)(x, w))
     assert target == "jaxflux_all_gather_matmul"
     return attrs

@@ -12,9 +12,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxflux
+import fused_calls
 import hlo_util
 from jaxflux import _runtime, tuning
-from jaxflux.ops import _fused
 from gpu_util import (TOL, bench_shapes, check_back_to_back, check_matmul_grads, gpu_mesh,
                       operands, reference, rel_err)
 
@@ -83,7 +83,7 @@ def test_weight_given_transposed_matches_reference(reduce, dtype, rows_per_rank,
     pytest.skip("the epilogue reduction is built for tp=2")
   wt = jnp.asarray(w.T)  # [N, K*tp]: the kernel gets this array, never w
   lead = [None] * (x.ndim - 2)
-  body = lambda x, wt: _fused.matmul_reduce_scatter(x, wt, "tp", transpose_w=True)
+  body = lambda x, wt: fused_calls.matmul_reduce_scatter(x, wt, "tp", transpose_w=True)
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(*lead, None, "tp"), P(None, "tp")),
                             out_specs=P(*lead, "tp", None)))
   with tuning.override("matmul_reduce_scatter", reduce=reduce):
@@ -107,7 +107,7 @@ def test_both_reduction_modes_match_float32_reference(reduce, rows_per_rank, K, 
     pytest.skip("the epilogue reduction is built for tp=2")
   x, w = operands(rows_per_rank + K + N, batch + (tp * rows_per_rank, K * tp), (K * tp, N),
                    jnp.bfloat16)
-  body = lambda x, w: _fused.matmul_reduce_scatter(x, w, "tp")  # noqa: E731
+  body = lambda x, w: fused_calls.matmul_reduce_scatter(x, w, "tp")  # noqa: E731
   with tuning.override("matmul_reduce_scatter", reduce=reduce):
     got = _rs_fn(mesh, x.ndim, body=body)(x, w)  # traced here, with the override
   assert rel_err(got, reference(x, w)) <= TOL[jnp.bfloat16]
@@ -131,7 +131,7 @@ def test_epilogue_pushes_and_schedules_match_float32_reference(push, schedule, s
   if tp != 2:
     pytest.skip("the epilogue reduction is built for tp=2")
   x, w = operands(rows_per_rank + K, (tp * rows_per_rank, K * tp), (K * tp, N), jnp.bfloat16)
-  body = lambda x, w: _fused.matmul_reduce_scatter(x, w, "tp")  # noqa: E731
+  body = lambda x, w: fused_calls.matmul_reduce_scatter(x, w, "tp")  # noqa: E731
   with tuning.override("matmul_reduce_scatter", reduce="epilogue", push=push,
                        own_rows_schedule=schedule, own_rows_swizzle=swizzle):
     got = _rs_fn(mesh, 2, body=body)(x, w)  # traced here, with the override
@@ -212,7 +212,7 @@ def test_a_peer_that_never_signals_times_out_instead_of_hanging(reduce):
   try:
     x, w = operands(17, (tp * 256, 128 * tp), (128 * tp, 256), jnp.bfloat16)
     good = _rs_fn(mesh, 2)
-    hang = _rs_fn(mesh, 2, body=lambda x, w: _fused.matmul_reduce_scatter(x, w, "tp",
+    hang = _rs_fn(mesh, 2, body=lambda x, w: fused_calls.matmul_reduce_scatter(x, w, "tp",
                                                                           debug_skip_rank=0))
     with tuning.override("matmul_reduce_scatter", **({} if reduce is None else
                                                      {"reduce": reduce})):

@@ -15,23 +15,20 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflux import tuning
-from jaxflux.ops import _attributes, _common, _config, _group_call, gemm
+from jaxflux.ops import _attributes, _common, _group_call, gemm
 
 # The GEMM-only kernel an op runs at tp=1: GEMM+AllReduce's GEMM is a plain GEMM tuned by rows.
 TP1_KERNEL = "matmul_all_reduce"
 
 
 def all_gather_matmul(x, w, axis_name: str, want_gathered: bool, *, transpose_w: bool = False,
-                      config: tuning.Tuned | None = None, debug_skip_rank: int = -1):
+                      config: tuning.Tuned, debug_skip_rank: int = -1):
   """(y, x_full or None) from the jaxflux_all_gather_matmul target (xla_ffi/ffi/ag_gemm.cc).
 
   transpose_w: w is [n, K] and the kernel multiplies by wᵀ, reading w K-major.
   debug_skip_rank: test hook; that rank never signals its peers, so they time out.
   """
   tp = lax.axis_size(axis_name)
-  if config is None:  # called directly (tests, tools): chosen as the op's plan would
-    config = _config.choose("all_gather_matmul", x, w, tp=tp, transpose_w=transpose_w,
-                            out_dtype=x.dtype)
   # Typed like the XLA path's results: varying along the gathered axis and wherever x, w vary.
   axes = _common.vma(x) | _common.vma(w) | {axis_name}
   if tp == 1:
@@ -55,16 +52,13 @@ def all_gather_matmul(x, w, axis_name: str, want_gathered: bool, *, transpose_w:
 
 
 def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
-                          config: tuning.Tuned | None = None, debug_skip_rank: int = -1):
+                          config: tuning.Tuned, debug_skip_rank: int = -1):
   """z from the jaxflux_matmul_reduce_scatter target (xla_ffi/ffi/gemm_rs.cc).
 
   transpose_w: w is [N, k] and the kernel multiplies by wᵀ, reading w K-major.
   debug_skip_rank: test hook; that rank never signals its peers, so they time out.
   """
   tp = lax.axis_size(axis_name)
-  if config is None:  # called directly (tests, tools): chosen as the op's plan would
-    config = _config.choose("matmul_reduce_scatter", x, w, tp=tp, transpose_w=transpose_w,
-                            out_dtype=x.dtype)
   # Typed like the XLA path's result: varying along the scattered axis and wherever x, w vary.
   axes = _common.vma(x) | _common.vma(w) | {axis_name}
   if tp == 1:
@@ -86,7 +80,7 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
 
 
 def matmul_all_reduce(x, w, axis_name: str, *, transpose_w: bool = False,
-                      config: tuning.Tuned | None = None, debug_skip_rank: int = -1):
+                      config: tuning.Tuned, debug_skip_rank: int = -1):
   """y = psum(x @ w) from the jaxflux_matmul_all_reduce target: each rank's partial product goes
   to its peers' receive slots, and every rank ends with the same sum.
 
@@ -94,9 +88,6 @@ def matmul_all_reduce(x, w, axis_name: str, *, transpose_w: bool = False,
   debug_skip_rank: test hook; that rank never signals its peers, so they time out.
   """
   tp = lax.axis_size(axis_name)
-  if config is None:  # called directly (tests, tools): chosen as the op's plan would
-    config = _config.choose("matmul_all_reduce", x, w, tp=tp, transpose_w=transpose_w,
-                            out_dtype=x.dtype)
   # Typed like the XLA path's psum: invariant along the summed axis, varying wherever else x or
   # w vary.
   axes = (_common.vma(x) | _common.vma(w)) - {axis_name}
@@ -129,14 +120,11 @@ def _fp8_scales(x_scale_rows, w_scale_cols) -> tuple:
 
 def all_gather_matmul_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str,
                           want_gathered: bool, *, out_dtype,
-                          config: tuning.Tuned | None = None, debug_skip_rank: int = -1):
+                          config: tuning.Tuned, debug_skip_rank: int = -1):
   """(y, x_full or None) for FP8 x [..., m, K] and w [n, K] (K-major): y = all_gather(x ·
   x_scale_rows) · (w · w_scale_cols)ᵀ in out_dtype (bfloat16); x_full in x's dtype. The row
   scales [..., m, 1] travel with x (the kernel gathers them beside it)."""
   tp = lax.axis_size(axis_name)
-  if config is None:  # called directly (tests, tools): chosen as the op's plan would
-    config = _config.choose("all_gather_matmul", x, w, tp=tp, transpose_w=True,
-                            out_dtype=out_dtype)
   axes = (_common.vma(x) | _common.vma(w) | _common.vma(x_scale_rows) | _common.vma(w_scale_cols)
           | {axis_name})
   if tp == 1:
@@ -161,14 +149,11 @@ def all_gather_matmul_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str,
 
 
 def matmul_reduce_scatter_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str, *, out_dtype,
-                              config: tuning.Tuned | None = None,
+                              config: tuning.Tuned,
                               debug_skip_rank: int = -1):
   """z = reduce_scatter((x · x_scale_rows) · (w · w_scale_cols)ᵀ) for FP8 x [..., M, k] and w
   [N, k] (K-major), in out_dtype (bfloat16); the partials pushed and summed are bfloat16."""
   tp = lax.axis_size(axis_name)
-  if config is None:  # called directly (tests, tools): chosen as the op's plan would
-    config = _config.choose("matmul_reduce_scatter", x, w, tp=tp, transpose_w=True,
-                            out_dtype=out_dtype)
   axes = (_common.vma(x) | _common.vma(w) | _common.vma(x_scale_rows) | _common.vma(w_scale_cols)
           | {axis_name})
   if tp == 1:
@@ -188,14 +173,11 @@ def matmul_reduce_scatter_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str, 
 
 
 def matmul_all_reduce_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str, *, out_dtype,
-                          config: tuning.Tuned | None = None, debug_skip_rank: int = -1):
+                          config: tuning.Tuned, debug_skip_rank: int = -1):
   """y = psum((x · x_scale_rows) · (w · w_scale_cols)ᵀ) for FP8 x [..., M, k] and w [N, k]
   (K-major), in out_dtype (bfloat16), the same on every rank; the partials pushed and summed
   are bfloat16."""
   tp = lax.axis_size(axis_name)
-  if config is None:  # called directly (tests, tools): chosen as the op's plan would
-    config = _config.choose("matmul_all_reduce", x, w, tp=tp, transpose_w=True,
-                            out_dtype=out_dtype)
   # Typed like the XLA path's psum: invariant along the summed axis.
   axes = (_common.vma(x) | _common.vma(w) | _common.vma(x_scale_rows)
           | _common.vma(w_scale_cols)) - {axis_name}
