@@ -37,7 +37,8 @@
 #   generate  the generation example at the llama70b-8l preset (batch 16, bfloat16), jaxflux.Dense
 #           against flax.linen.Dense with each decode step's GPU time split by the profiler:
 #           --impl fused, --impl auto, fused at batch 1, fused with --fp8 (GENERATE_RUNS picks;
-#           each as <gpu>_generate_<run>.json)
+#           each as <gpu>_generate_<run>.json; the FP8 run adds a calibration pass and a third
+#           model: give it a call of its own)
 #   train   the training example (llama70b-8l preset, $TRAIN_STEPS steps, default 60) in modes
 #           jaxflux, xla and windowed; needs two GPUs
 #   wheel   build once, install everywhere: `pip wheel` here (into OUTDIR/wheel), then a fresh
@@ -199,7 +200,7 @@ if stage generate; then
       fused_b1) flags=(--impl fused --batch 1) ;;  fp8) flags=(--impl fused --fp8) ;;
       *) echo "generate: unknown run $run (fused, auto, fused_b1, fp8)"; status=1; continue ;;
     esac
-    timeout "${GENERATE_TIMEOUT:-300}" python3 examples/generate.py --preset llama70b-8l \
+    timeout "${GENERATE_TIMEOUT:-540}" python3 examples/generate.py --preset llama70b-8l \
       --dtype bfloat16 --new-tokens 32 --profile 8 "${flags[@]}" \
       --out "$OUTDIR/${GPU_NAME}_generate_$run.json" > "$OUTDIR/generate_$run.log" 2>&1 || status=1
     grep -E "decode|profile|outside" "$OUTDIR/generate_$run.log" | cut -c1-220
