@@ -358,6 +358,7 @@ def test_kernel_profile_splits_gpu_time_per_step():
       'planes { id: 1 name: "/host:CPU" }'), steps=2) is None
 
 
+@pytest.mark.slow  # two models generate: an example run, like the others of the slow tier
 def test_profile_flag_runs_and_says_it_saw_no_gpu_kernels_on_cpu(gen, capsys):
   if jax.devices()[0].platform != "cpu":
     pytest.skip("the GPU test profiles on GPUs")

@@ -140,6 +140,8 @@ def guide_blocks() -> list[str]:
   return re.findall(r"```python\n(.*?)```", GUIDE.read_text(), flags=re.S)
 
 
+# Every test of the guide's run is the slow tier's: the run takes about 25 s on 2 cores, the
+# largest single cost of the README's test command.
 @pytest.fixture(scope="module")
 def guide_run(tmp_path_factory):
   """Runs the guide's blocks plus CHECKS in a fresh interpreter on 8 virtual CPU devices."""
@@ -161,6 +163,7 @@ def test_guide_runs_on_8_cpu_devices(guide_run):
   assert guide_run["devices"] == 8 and guide_run["platform"] == "cpu"
 
 
+@pytest.mark.slow
 def test_train_step_lays_out_learns_and_matches_flax(guide_run):
   assert guide_run["up_spec"] == "P(None, 'tp')", guide_run["up_spec"]
   assert guide_run["down_spec"] == "P('tp', None)", guide_run["down_spec"]
@@ -170,10 +173,12 @@ def test_train_step_lays_out_learns_and_matches_flax(guide_run):
   assert guide_run["lm_max_abs_diff"] <= 1e-4 * max(1.0, guide_run["lm_ref_scale"]), guide_run
 
 
+@pytest.mark.slow
 def test_checkpoint_restores_onto_the_mesh(guide_run):
   assert guide_run["restored_specs_match"]
 
 
+@pytest.mark.slow
 def test_scans_match_unrolled_layers(guide_run):
   assert guide_run["scan_kernel_spec"] == "P(None, None, 'tp')"
   assert guide_run["nnx_kernel_spec"] == "P(None, None, 'tp')"
@@ -181,6 +186,7 @@ def test_scans_match_unrolled_layers(guide_run):
   assert guide_run["nnx_scan_max_abs_diff"] < 1e-4, guide_run["nnx_scan_max_abs_diff"]
 
 
+@pytest.mark.slow
 def test_logical_axes_fsdp_by_tp(guide_run):
   specs = guide_run["fsdp_specs"]
   assert specs == {"logical": "P('embed', 'mlp')", "up": "P('fsdp', 'tp')",
@@ -194,12 +200,14 @@ def test_logical_axes_fsdp_by_tp(guide_run):
   assert guide_run["nnx_fsdp_max_err"] < 1e-4, guide_run["nnx_fsdp_max_err"]
 
 
+@pytest.mark.slow
 def test_mixed_precision(guide_run):
   assert guide_run["bf16_dtype"] == "bfloat16"
   assert guide_run["grad_dtypes"] == ["float32"]
   assert 0 < guide_run["bf16_rel_err"] < 5e-2, guide_run["bf16_rel_err"]
 
 
+@pytest.mark.slow
 def test_what_runs_where_on_cpu(guide_run):
   assert guide_run["fused_calls"] == []
   assert "all_gather_matmul(impl='fused')" in guide_run["fused_error"]
