@@ -26,8 +26,9 @@ FULL = ("kernels", "fp8_ag", "fp8_rest", "ops", "matrix", "matrix_pingpong", "tp
 COLLECT = """
 import json, sys, pytest
 class Ids:
-  def pytest_collection_finish(self, session):
-    self.ids = [item.nodeid for item in session.items]
+  @pytest.hookimpl(trylast=True)  # after -m and -k have deselected
+  def pytest_collection_modifyitems(self, items):
+    self.ids = [item.nodeid for item in items]
 out = {}
 for name, args in json.load(sys.stdin).items():
   ids = Ids()
