@@ -10,7 +10,6 @@ import atexit
 import collections
 import dataclasses
 import functools
-import itertools
 import json
 import socket
 import threading
@@ -50,6 +49,21 @@ def attribute_names() -> dict:
   "grouped_tile"), each a tuple of names in value order: the native module's, from
   xla_ffi/ffi/attribute_names.h. {} without the extension."""
   return {} if _ext is None else {k: tuple(v) for k, v in _ext.attribute_names.items()}
+
+
+def workspace_class(nbytes: int) -> int:
+  """The symmetric workspace's size class for a call that needs `nbytes` per GPU: the smallest
+  c with 2^c >= max(nbytes, the configured reserve), at least the runtime's smallest class. A
+  pure function of the call's shapes and the settings, so a traced program names the same
+  arenas in every process and in every run (the native module's classes, runtime.h)."""
+  smallest, largest = _ext.workspace_classes
+  need = max(int(nbytes), int(_settings.workspace_bytes or 0), 1)
+  c = max(smallest, (need - 1).bit_length())
+  if c > largest:
+    raise ValueError(f"jaxflux: a fused call needs {need} bytes of symmetric workspace per GPU, "
+                     f"more than the runtime's largest arena (2^{largest} bytes); split the "
+                     "call along its rows.")
+  return c
 
 
 def slot_word(host: int, slot: int) -> int:
@@ -128,8 +142,10 @@ def configure(*, timeout_s: float | None = None, workspace_bytes: int | None = N
   Args:
     timeout_s: how long a GPU spin-wait on a peer may last before the op fails with an error
       naming the op, rank and peer (default 30 s).
-    workspace_bytes: minimum size of the per-device symmetric workspace to reserve up front
-      (default: sized from the shapes of the traced programs).
+    workspace_bytes: the least symmetric workspace per GPU a fused call uses (default: what
+      the call's shapes need). The workspace is one arena per power-of-two size class; with
+      the largest need given here every call uses one arena. Set it before tracing: it is
+      part of the traced program.
     sync_errors: debug setting: every fused call synchronizes its stream after launch, so that a
       timeout fails the call that timed out instead of the next one (slow).
   """
@@ -156,12 +172,6 @@ def _push_settings() -> None:
 # FFI targets and the symmetric workspace (CUDA builds only).
 
 _lock = threading.Lock()
-_site_ids = itertools.count(1)
-
-
-def new_site_id() -> int:
-  """A process-unique id for one traced fused call (keys its rank discovery)."""
-  return next(_site_ids)
 
 
 @functools.cache
@@ -208,21 +218,22 @@ def target_name(op: str) -> str:
 
 
 def ensure_workspace(nbytes: int) -> int:
-  """Makes every local GPU hold >= nbytes of symmetric workspace; returns its generation.
+  """Makes every local GPU hold the arena of the size class that `nbytes` falls in; returns the
+  class (workspace_class), which the traced call names.
 
-  Called at trace time, before the program runs. Growth allocates new arenas and keeps the old
-  ones alive, since programs queued earlier may still use them. With one process per GPU, the
-  new generation's arenas are then exchanged with the host's other processes (CUDA IPC).
+  Called at trace time, before the program runs. An arena, once allocated, stays until exit.
+  With one process per GPU, a new class's arenas are then exchanged with the host's other
+  processes (CUDA IPC).
   """
   ordinals = sorted(d.local_hardware_id for d in _gpu_devices())
+  size_class = workspace_class(nbytes)
   with _lock:
     if multi_process():
       _ensure_host_slots()
-    generation = int(_ext.ensure_workspace(ordinals, int(nbytes),
-                                           int(_settings.workspace_bytes or 0)))
+    _ext.ensure_workspace(ordinals, size_class)
     if multi_process():
-      _exchange_workspace(generation, ordinals)
-    return generation
+      _exchange_workspace(size_class, ordinals)
+    return size_class
 
 
 # --------------------------------------------------------------------------------------------
@@ -368,24 +379,24 @@ def _ensure_host_slots() -> HostSlots:
   return _host_slots
 
 
-def _exchange_workspace(generation: int, ordinals: list) -> None:
-  """Publishes this process's arena of `generation` (and flag arrays) and maps every other GPU
-  of the host (CUDA IPC). Once per generation."""
-  if generation in _exchanged:
+def _exchange_workspace(size_class: int, ordinals: list) -> None:
+  """Publishes this process's arena of `size_class` (and flag arrays) and maps every other GPU
+  of the host (CUDA IPC). Once per class."""
+  if size_class in _exchanged:
     return
   hs, client = _host_slots, _kv()
-  key = lambda slot: f"jaxflux/ws/{generation}/{hs.host}/{slot}"  # noqa: E731
+  key = lambda slot: f"jaxflux/ws/{size_class}/{hs.host}/{slot}"  # noqa: E731
   for ordinal in ordinals:
-    client.key_value_set(key(hs.slots[ordinal]), _ext.export_device(generation, ordinal).hex())
+    client.key_value_set(key(hs.slots[ordinal]), _ext.export_device(size_class, ordinal).hex())
   if not _exchanged:
     atexit.register(_ext.close_imported_peers)
   mine = set(hs.slots.values())
   for slot in range(hs.total):
     if slot not in mine:
-      handles = _kv_get(client, key(slot), f"the workspace (generation {generation}) of host "
+      handles = _kv_get(client, key(slot), f"the workspace (size class {size_class}) of host "
                                            f"slot {slot}")
-      _ext.import_peer(generation, slot, bytes.fromhex(handles), ordinals[0])
-  _exchanged.add(generation)
+      _ext.import_peer(size_class, slot, bytes.fromhex(handles), ordinals[0])
+  _exchanged.add(size_class)
 
 
 def check_errors() -> None:

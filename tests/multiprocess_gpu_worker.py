@@ -49,6 +49,10 @@ processes' GPUs:
     that runs every token through every expert and picks its top-k (z, the first op's rows,
     dx, dw1, dw2, d(weights)); 20 back-to-back calls; every compiled program holds both fused
     custom calls and no XLA all-gather / reduce-scatter;
+  MODE=cache: MODE=check's AG+GEMM program compiled under JAX's persistent compilation cache
+    (JAX_COMPILATION_CACHE_DIR); with CACHE_DETOUR=1 a GEMM+RS program of other shapes (another
+    workspace class and signature) is traced and run first. Prints `CACHE HITS <n>`, the cache
+    hits of compiling that one program, and the digest of this rank's shard of its value;
   MODE=die: one call of each fused op (and the all-gather, and GEMM+RS with either reduction:
     every kind of wait in the kernels), then process 1 exits at once and every other process
     calls each again: each must fail with jaxflux's timeout error naming its op and rank,
@@ -242,6 +246,26 @@ def print_digest(name, out):
   for shard in out.addressable_shards:
     data = np.ascontiguousarray(np.asarray(shard.data))
     print(f"DIGEST {name} {hashlib.sha256(data.tobytes()).hexdigest()}", flush=True)
+
+
+def run_cache():
+  """MODE=cache (see the module's docstring)."""
+  hits = []
+  jax.monitoring.register_event_listener(
+      lambda event, **kwargs: hits.append(event)
+      if event == "/jax/compilation_cache/cache_hits" else None)
+  if os.environ.get("CACHE_DETOUR") == "1":
+    x, w = operands(9, 512 * tp, 256 * tp, 640)
+    check("detour matmul_reduce_scatter value",
+          rs(bf16(x, P(None, "tp")), bf16(w, P("tp", None))), x @ w)
+  x, w = operands(1, 256 * tp, 512, 384 * tp)
+  args = bf16(x, P("tp", None)), bf16(w, P(None, "tp"))
+  before = len(hits)
+  compiled = ag.lower(*args).compile()
+  print(f"CACHE HITS {len(hits) - before}", flush=True)
+  out = compiled(*args)
+  check("cached all_gather_matmul value", out, x @ w)
+  print_digest("cache ag", out)  # this rank's shard: the same bits in every run
 
 
 def run_matrix():
@@ -857,6 +881,10 @@ elif MODE in ("moe", "moe_bfloat16"):
   _runtime.check_errors()
 elif MODE == "moe_layer":
   run_moe_layer()
+  _runtime.check_errors()
+elif MODE == "cache":
+  with jax.set_mesh(mesh):
+    run_cache()
   _runtime.check_errors()
 elif MODE == "mlp":
   with jax.set_mesh(mesh):

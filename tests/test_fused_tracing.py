@@ -357,8 +357,8 @@ def test_another_auto_axis_makes_auto_use_xla_and_fused_raise(fake_hopper, op):
 
 def test_jax_export_refuses_a_fused_program_naming_the_target(fake_gpu):
   """jaxflux's FFI targets carry no serialization guarantee (their attributes follow the
-  library's version, and the cross-process calls bake this process's workspace generation in),
-  so jax.export refuses them with JAX's error, which names the target."""
+  library's version, and a cross-process call's arena must be set up by tracing it), so
+  jax.export refuses them with JAX's error, which names the target."""
   from jax import export
 
   mesh = make_mesh((1,), ("tp",))

@@ -49,10 +49,12 @@ def one_gpu_launcher():
   return _load_launcher(1)
 
 
-def _run(launcher, tmp_path, mode, timeout, shared=False, tp=2):
-  """Runs the worker's `mode` in `tp` processes (one GPU each, or all on GPU 0 with `shared`)."""
+def _run(launcher, tmp_path, mode, timeout, shared=False, tp=2, **env_vars):
+  """Runs the worker's `mode` in `tp` processes (one GPU each, or all on GPU 0 with `shared`),
+  `env_vars` added to their environment."""
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",  # this process holds the GPUs too
-             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+             **env_vars)
   port = str(launcher.free_port())  # one coordinator port for the whole group
   commands = [[sys.executable, str(WORKER), port, str(tp), str(i), mode]
               + (["shared"] if shared else []) for i in range(tp)]
@@ -143,6 +145,30 @@ def test_each_fused_op_once_sharing_one_gpu(one_gpu_launcher, tmp_path, tp):
     counts = {"PASS fp8 ag ": 3, "PASS fp8 rs ": 2, "PASS fp8 ar ": 2, "PASS moe ": 7}
     assert {c: out.count(c) for c in counts} == counts, describe(results)
   _assert_same_digests(results, 3)
+
+
+@pytest.mark.slow
+def test_a_fused_program_loads_from_the_compilation_cache_in_new_processes(one_gpu_launcher,
+                                                                          tmp_path):
+  """A second group of processes, which traced another fused program first, loads the first
+  group's compiled AG+GEMM program from JAX's persistent cache and computes the same bits: the
+  traced program holds no process history (tests/test_program_identity.py)."""
+  cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+  runs = []
+  for detour in ("0", "1"):
+    (tmp_path / detour).mkdir()
+    results = _run(one_gpu_launcher, tmp_path / detour, "cache", timeout=180, shared=True,
+                   CACHE_DETOUR=detour, **cache)
+    assert _all_exited_cleanly(results), describe(results)
+    assert all("FAIL" not in out for _, out in results), describe(results)
+    runs.append(results)
+  first, second = ([re.findall(r"^(CACHE HITS \d+|DIGEST .+)$", out, re.M) for _, out in run]
+                   for run in runs)
+  for rank, (a, b) in enumerate(zip(first, second)):
+    assert a[0] == "CACHE HITS 0" and b[0] == "CACHE HITS 1", (rank, a, b)
+    assert len(a) == 2 and a[1] == b[1], (rank, a, b)  # the same bits from the loaded program
 
 
 @ranks(quick=(), slow=(2, 4, 8))

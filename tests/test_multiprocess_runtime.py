@@ -1,5 +1,5 @@
 """The host-side pieces of the fused path across processes (one process per GPU), on CPU with a
-fake extension and a fake key-value store: host slot assignment, the per-generation workspace
+fake extension and a fake key-value store: host slot assignment, the per-class workspace
 exchange, and the trace-time reasons auto falls back to XLA. The CUDA IPC mapping itself runs
 on GPUs only (tests/test_multiprocess_gpu.py)."""
 import pytest
@@ -49,11 +49,11 @@ class FakeExt:
   def set_host_index(self, host):
     self.host = host
 
-  def export_device(self, generation, ordinal):
-    return bytes([generation, ordinal]) * 96
+  def export_device(self, size_class, ordinal):
+    return bytes([size_class, ordinal]) * 96
 
-  def import_peer(self, generation, slot, handles, local_ordinal):
-    self.imported.append((generation, slot, handles, local_ordinal))
+  def import_peer(self, size_class, slot, handles, local_ordinal):
+    self.imported.append((size_class, slot, handles, local_ordinal))
 
   def close_imported_peers(self):
     pass
@@ -148,20 +148,21 @@ def test_published_values_are_agreed_once_through_the_store(process1_of_2, monke
 def test_workspace_exchange_publishes_ours_and_maps_the_peers(process1_of_2):
   kv, ext = process1_of_2
   _runtime.host_slots()
-  kv.store["jaxflux/ws/5/0/0"] = (b"\x07" * 192).hex()  # process 0's export of generation 5
-  _runtime._exchange_workspace(5, [3])
-  assert bytes.fromhex(kv.store["jaxflux/ws/5/0/1"]) == bytes([5, 3]) * 96
-  assert ext.imported == [(5, 0, b"\x07" * 192, 3)]
-  _runtime._exchange_workspace(5, [3])  # once per generation
+  kv.store["jaxflux/ws/25/0/0"] = (b"\x07" * 192).hex()  # process 0's export of class 25
+  _runtime._exchange_workspace(25, [3])
+  assert bytes.fromhex(kv.store["jaxflux/ws/25/0/1"]) == bytes([25, 3]) * 96
+  assert ext.imported == [(25, 0, b"\x07" * 192, 3)]
+  _runtime._exchange_workspace(25, [3])  # once per class
   assert len(ext.imported) == 1
 
 
 def test_a_peer_that_never_publishes_fails_with_a_clear_error(process1_of_2):
   kv, _ = process1_of_2
   _runtime.host_slots()
-  with pytest.raises(RuntimeError, match=r"the workspace \(generation 2\) of host slot 0 did not "
-                                         r"arrive within .* same jaxflux ops in the same order"):
-    _runtime._exchange_workspace(2, [3])
+  with pytest.raises(RuntimeError, match=r"the workspace \(size class 22\) of host slot 0 did "
+                                         r"not arrive within .* same jaxflux ops in the same "
+                                         r"order"):
+    _runtime._exchange_workspace(22, [3])
 
 
 def test_multi_process_reasons():

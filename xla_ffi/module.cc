@@ -75,6 +75,8 @@ NB_MODULE(_jaxflux, m) {
 #endif
   // The group-size cap every cross-process handler checks; Python refuses larger groups with it.
   m.attr("max_ranks") = jaxflux::kMaxRanks;
+  m.attr("workspace_classes") = nb::make_tuple(jaxflux::kMinWorkspaceClass,
+                                               jaxflux::kMaxWorkspaceClass);
   // The kernels' enum attributes by name, each in value order (attribute_names.h).
   {
     auto names = [](const auto& array) {
@@ -143,16 +145,15 @@ NB_MODULE(_jaxflux, m) {
 
 #ifdef JAXFLUX_WITH_CUDA
   m.def("ensure_workspace",
-        [](const std::vector<int>& ordinals, size_t bytes, size_t minimum_bytes) {
+        [](const std::vector<int>& ordinals, int64_t workspace_class) {
           std::string error;
-          std::optional<int64_t> generation =
-              jaxflux::EnsureWorkspace(ordinals, bytes, minimum_bytes, &error);
-          if (!generation) throw std::runtime_error(error);
-          return *generation;
+          if (!jaxflux::EnsureWorkspace(ordinals, workspace_class, &error)) {
+            throw std::runtime_error(error);
+          }
         },
-        nb::arg("ordinals"), nb::arg("bytes"), nb::arg("minimum_bytes"),
-        "Grows the per-device arenas of `ordinals` to >= bytes; returns the generation to use.");
-  m.def("workspace_bytes", &jaxflux::WorkspaceBytes, nb::arg("generation"));
+        nb::arg("ordinals"), nb::arg("workspace_class"),
+        "Makes every GPU of `ordinals` hold the arena of `workspace_class` (2^class bytes).");
+  m.def("workspace_bytes", &jaxflux::WorkspaceBytes, nb::arg("workspace_class"));
   // The workspace results of the tp=1 targets (they allocate nothing while executing), sized at
   // trace time from the same description the handlers launch from.
   m.def("gemm_workspace_bytes",
@@ -211,18 +212,18 @@ NB_MODULE(_jaxflux, m) {
   m.def("set_host_index", &jaxflux::SetHostIndex, nb::arg("host"));
   m.def("max_devices", []() { return jaxflux::kMaxDevices; }, "Host slots the runtime has.");
   m.def("export_device",
-        [](int64_t generation, int ordinal) {
+        [](int64_t workspace_class, int ordinal) {
           jaxflux::IpcHandles handles;
           std::string error;
-          if (!jaxflux::ExportDevice(generation, ordinal, &handles, &error)) {
+          if (!jaxflux::ExportDevice(workspace_class, ordinal, &handles, &error)) {
             throw std::runtime_error(error);
           }
           return nb::bytes(reinterpret_cast<const char*>(&handles), sizeof(handles));
         },
-        nb::arg("generation"), nb::arg("ordinal"),
-        "CUDA IPC handles of GPU `ordinal`'s arena of `generation` and its flag arrays.");
+        nb::arg("workspace_class"), nb::arg("ordinal"),
+        "CUDA IPC handles of GPU `ordinal`'s arena of `workspace_class` and its flag arrays.");
   m.def("import_peer",
-        [](int64_t generation, int slot, nb::bytes handles, int local_ordinal) {
+        [](int64_t workspace_class, int slot, nb::bytes handles, int local_ordinal) {
           if (handles.size() != sizeof(jaxflux::IpcHandles)) {
             throw std::runtime_error("jaxflux: import_peer: handles must be " +
                                      std::to_string(sizeof(jaxflux::IpcHandles)) + " bytes");
@@ -230,11 +231,12 @@ NB_MODULE(_jaxflux, m) {
           jaxflux::IpcHandles h;
           std::memcpy(&h, handles.c_str(), sizeof(h));
           std::string error;
-          if (!jaxflux::ImportPeer(generation, slot, h, local_ordinal, &error)) {
+          if (!jaxflux::ImportPeer(workspace_class, slot, h, local_ordinal, &error)) {
             throw std::runtime_error(error);
           }
         },
-        nb::arg("generation"), nb::arg("slot"), nb::arg("handles"), nb::arg("local_ordinal"),
+        nb::arg("workspace_class"), nb::arg("slot"), nb::arg("handles"),
+        nb::arg("local_ordinal"),
         "Maps another process's GPU (host slot `slot`) from its export_device bytes.");
   m.def("close_imported_peers", &jaxflux::CloseImportedPeers);
   m.def("_group_from_slot_words",

@@ -1,7 +1,13 @@
 """The FFI call of a communicating op: this device's rank and group operand, the workspace the
 call needs (reserved at trace time), the target's name and the attributes every such handler
-takes (tp, num_groups, site, generation, debug_skip_rank)."""
+takes (tp, num_groups, site, workspace_class, debug_skip_rank).
+
+Every attribute is a pure function of the call (its shapes, axis and settings), never of what
+the process traced before, so a program's HLO is the same in every process and every run: a
+second process loads it from JAX's persistent compilation cache."""
 from __future__ import annotations
+
+import hashlib
 
 import jax
 import jax.numpy as jnp
@@ -49,15 +55,22 @@ def call(op: str, out_types, operands: tuple, axis_name: str, workspace_bytes: i
   (an FP8 call's x row and w column scales), and passes the common attributes plus `attrs`
   (int64). debug_skip_rank: test hook; that rank never signals its peers, so they time out."""
   info, num_groups = rank_info(axis_name, op)
-  generation = _runtime.ensure_workspace(workspace_bytes)
+  common = dict(tp=lax.axis_size(axis_name), num_groups=num_groups,
+                workspace_class=_runtime.ensure_workspace(workspace_bytes),
+                debug_skip_rank=debug_skip_rank, **attrs)
   ffi_call = jax.ffi.ffi_call(_runtime.target_name(op), out_types)
-  return ffi_call(*operands, info, *scales,
-                  tp=np.int64(lax.axis_size(axis_name)),
-                  num_groups=np.int64(num_groups),
-                  site=np.int64(_runtime.new_site_id()),
-                  generation=np.int64(generation),
-                  debug_skip_rank=np.int64(debug_skip_rank),
-                  **{name: np.int64(value) for name, value in attrs.items()})
+  site = signature_key(op, (*operands, info, *scales), out_types, common)
+  return ffi_call(*operands, info, *scales, site=np.int64(site),
+                  **{name: np.int64(value) for name, value in common.items()})
+
+
+def signature_key(op: str, operands: tuple, out_types, attrs: dict) -> int:
+  """A 62-bit key of the call's target, operand and result types and attributes: the `site`
+  attribute, which keys the handler's one-process rank discovery. Calls with equal keys meet
+  in successive rounds of one rendezvous (docs/runtime.md), so the key need not be unique."""
+  types = [(tuple(x.shape), str(x.dtype)) for x in (*operands, *jax.tree.leaves(out_types))]
+  text = repr((op, types, sorted((name, int(value)) for name, value in attrs.items())))
+  return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
 
 
 def _group_slot_words(axis_name: str, others, group, num_groups: int) -> jax.Array:

@@ -139,12 +139,12 @@ size_t ChunkRows(const Shapes& s) {
 }
 
 ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator scratch,
-                  RankState* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                  RankState* state, ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer w,
                   ffi::Buffer<ffi::S32> rank_info, ffi::RemainingArgs scales,
                   ffi::Result<ffi::AnyBuffer> y,
                   ffi::RemainingRets extra, int64_t tp, int64_t num_groups, int64_t site,
-                  int64_t generation, int64_t debug_skip_rank, int64_t transpose_w, int64_t tile,
-                  int64_t swizzle, int64_t local_read, int64_t grid_sms) {
+                  int64_t workspace_class, int64_t debug_skip_rank, int64_t transpose_w,
+                  int64_t tile, int64_t swizzle, int64_t local_read, int64_t grid_sms) {
   Shapes s;
   JAXFLUX_RETURN_IF_ERROR(CheckInputs(x, w, *y, tp, transpose_w, &s));
   JAXFLUX_RETURN_IF_ERROR(CheckChoices(s, transpose_w, tile, swizzle, local_read, grid_sms));
@@ -167,7 +167,7 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   const size_t scale_row_bytes = x_scale != nullptr ? s.m * sizeof(float) : 0;  // one entry's
   GroupCall call(kOp, stream, ordinal);
   JAXFLUX_RETURN_IF_ERROR(call.Begin(
-      state, rank_info, {tp, num_groups, site, generation, debug_skip_rank},
+      state, rank_info, {tp, num_groups, site, workspace_class, debug_skip_rank, run.run_id},
       a_bytes + s.batch * static_cast<size_t>(tp) * scale_row_bytes));
   const GroupInfo& g = call.group();
   const int rank = g.rank;
@@ -308,6 +308,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<xla::ffi::DeviceOrdinal>()                 // CUDA ordinal
         .Ctx<xla::ffi::ScratchAllocator>()              // CUTLASS scratch, if any
         .Ctx<xla::ffi::State<jaxflux::RankState>>()     // ranks found by this instance
+        .Ctx<xla::ffi::RunId>()                         // this logical execution
         .Arg<xla::ffi::AnyBuffer>()                     // x: local shard [..., m, K]
         .Arg<xla::ffi::AnyBuffer>()                     // w: [K, N] or [N, K]
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank_info
@@ -317,7 +318,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("tp")
         .Attr<int64_t>("num_groups")
         .Attr<int64_t>("site")
-        .Attr<int64_t>("generation")
+        .Attr<int64_t>("workspace_class")
         .Attr<int64_t>("debug_skip_rank")
         .Attr<int64_t>("transpose_w")  // 1: w is [N, K], the weight transposed
         .Attr<int64_t>("tile")         // AgGemmConfig

@@ -100,9 +100,10 @@ ffi::ErrorOr<std::unique_ptr<RankState>> RankStateInstantiate() {
   return std::make_unique<RankState>();
 }
 
-ffi::Error AllGather(cudaStream_t stream, int32_t ordinal, RankState* state, ffi::AnyBuffer x,
-                     ffi::Buffer<ffi::S32> rank_info, ffi::Result<ffi::AnyBuffer> out,
-                     int64_t tp, int64_t num_groups, int64_t site, int64_t generation,
+ffi::Error AllGather(cudaStream_t stream, int32_t ordinal, RankState* state, ffi::RunId run,
+                     ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_info,
+                     ffi::Result<ffi::AnyBuffer> out,
+                     int64_t tp, int64_t num_groups, int64_t site, int64_t workspace_class,
                      int64_t debug_skip_rank) {
   JAXFLUX_RETURN_IF_ERROR(CheckInputs(x, out, tp));
   const auto dims = x.dimensions();
@@ -117,7 +118,8 @@ ffi::Error AllGather(cudaStream_t stream, int32_t ordinal, RankState* state, ffi
 
   GroupCall call(kOp, stream, ordinal);
   JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
-                                     {tp, num_groups, site, generation, debug_skip_rank},
+                                     {tp, num_groups, site, workspace_class, debug_skip_rank,
+                                      run.run_id},
                                      slot_bytes * static_cast<size_t>(tp)));
   const GroupInfo& g = call.group();
   const int rank = g.rank;
@@ -213,11 +215,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this device
         .Ctx<xla::ffi::DeviceOrdinal>()                 // CUDA ordinal of this device
         .Ctx<xla::ffi::State<jaxflux::RankState>>()     // ranks found by this instance
+        .Ctx<xla::ffi::RunId>()                         // this logical execution
         .Arg<xla::ffi::AnyBuffer>()                     // x: local shard [..., m, k]
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank_info: [axis_index, group]
         .Ret<xla::ffi::AnyBuffer>()                     // out: [..., tp*m, k]
         .Attr<int64_t>("tp")                            // group size
         .Attr<int64_t>("num_groups")                    // groups over the other mesh axes
         .Attr<int64_t>("site")                          // unique id of the traced call
-        .Attr<int64_t>("generation")                    // workspace generation to use
+        .Attr<int64_t>("workspace_class")               // the workspace arena to use
         .Attr<int64_t>("debug_skip_rank"));             // test hook: rank that never signals

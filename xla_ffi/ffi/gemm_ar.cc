@@ -74,10 +74,11 @@ ffi::Error CheckInputs(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer out, i
 }
 
 ffi::Error GemmAr(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator scratch,
-                  RankState* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                  RankState* state, ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer w,
                   ffi::Buffer<ffi::S32> rank_info, ffi::RemainingArgs scales,
                   ffi::Result<ffi::AnyBuffer> out, int64_t tp,
-                  int64_t num_groups, int64_t site, int64_t generation, int64_t debug_skip_rank,
+                  int64_t num_groups, int64_t site, int64_t workspace_class,
+                  int64_t debug_skip_rank,
                   int64_t transpose_w, int64_t tile, int64_t push_chunks, int64_t swizzle,
                   int64_t grid_sms) {
   MatmulOperands s;
@@ -100,7 +101,8 @@ ffi::Error GemmAr(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   const size_t slot_bytes = (partial_bytes + 255) / 256 * 256;
   GroupCall call(kOp, stream, ordinal);
   JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
-                                     {tp, num_groups, site, generation, debug_skip_rank},
+                                     {tp, num_groups, site, workspace_class, debug_skip_rank,
+                                      run.run_id},
                                      slot_bytes * static_cast<size_t>(tp)));
   const int rank = call.rank();
   DeviceResources* res = call.self();
@@ -191,6 +193,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<xla::ffi::DeviceOrdinal>()                 // CUDA ordinal
         .Ctx<xla::ffi::ScratchAllocator>()              // CUTLASS scratch, if any
         .Ctx<xla::ffi::State<jaxflux::RankState>>()     // ranks found by this instance
+        .Ctx<xla::ffi::RunId>()                         // this logical execution
         .Arg<xla::ffi::AnyBuffer>()                     // x: [..., M, k]
         .Arg<xla::ffi::AnyBuffer>()                     // w: [k, N] or [N, k]
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank_info
@@ -199,7 +202,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("tp")
         .Attr<int64_t>("num_groups")
         .Attr<int64_t>("site")
-        .Attr<int64_t>("generation")
+        .Attr<int64_t>("workspace_class")
         .Attr<int64_t>("debug_skip_rank")
         .Attr<int64_t>("transpose_w")   // 1: w is [N, k], the weight transposed
         .Attr<int64_t>("tile")          // GemmTiles: 0 persistent, 1 stream-K, 2 swap-AB decode

@@ -126,10 +126,11 @@ ffi::Error CheckChoices(const Shapes& s, int64_t tp, int64_t reduce,
 }
 
 ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator scratch,
-                  RankState* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                  RankState* state, ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer w,
                   ffi::Buffer<ffi::S32> rank_info, ffi::RemainingArgs scales,
                   ffi::Result<ffi::AnyBuffer> z, int64_t tp,
-                  int64_t num_groups, int64_t site, int64_t generation, int64_t debug_skip_rank,
+                  int64_t num_groups, int64_t site, int64_t workspace_class,
+                  int64_t debug_skip_rank,
                   int64_t transpose_w, int64_t reduce, int64_t push_chunks,
                   int64_t own_rows_schedule, int64_t own_rows_swizzle, int64_t peer_rows_swizzle,
                   int64_t grid_sms) {
@@ -148,7 +149,8 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   const size_t slot_bytes = (partial_bytes + 255) / 256 * 256;
   GroupCall call(kOp, stream, ordinal);
   JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
-                                     {tp, num_groups, site, generation, debug_skip_rank},
+                                     {tp, num_groups, site, workspace_class, debug_skip_rank,
+                                      run.run_id},
                                      2 * slot_bytes * static_cast<size_t>(tp)));
   const GroupInfo& g = call.group();
   const int rank = g.rank;
@@ -273,6 +275,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<xla::ffi::DeviceOrdinal>()                 // CUDA ordinal
         .Ctx<xla::ffi::ScratchAllocator>()              // CUTLASS scratch, if any
         .Ctx<xla::ffi::State<jaxflux::RankState>>()     // ranks found by this instance
+        .Ctx<xla::ffi::RunId>()                         // this logical execution
         .Arg<xla::ffi::AnyBuffer>()                     // x: [..., M, K]
         .Arg<xla::ffi::AnyBuffer>()                     // w: [K, N] or [N, K]
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank_info
@@ -281,7 +284,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("tp")
         .Attr<int64_t>("num_groups")
         .Attr<int64_t>("site")
-        .Attr<int64_t>("generation")
+        .Attr<int64_t>("workspace_class")
         .Attr<int64_t>("debug_skip_rank")
         .Attr<int64_t>("transpose_w")        // 1: w is [N, K], the weight transposed
         .Attr<int64_t>("reduce")             // 0 pass, 1 epilogue (tp = 2)

@@ -11,7 +11,7 @@ namespace jaxflux {
 ffi::TypeId RankState::id = {};
 
 ffi::Error ResolveGroup(const char* op, cudaStream_t stream, int ordinal, RankState* state,
-                        ffi::Buffer<ffi::S32> rank_info, int64_t site, int64_t tp,
+                        ffi::Buffer<ffi::S32> rank_info, RendezvousKey key, int64_t tp,
                         int64_t num_groups, GroupInfo* group) {
   if (ordinal < 0 || ordinal >= kMaxDevices) {
     return ffi::Error::InvalidArgument(std::string("jaxflux ") + op +
@@ -27,7 +27,7 @@ ffi::Error ResolveGroup(const char* op, cudaStream_t stream, int ordinal, RankSt
     GroupInfo found;
     std::string error;
     if (!DiscoverGroup(stream, ordinal, rank_info.typed_data(),
-                       static_cast<int64_t>(rank_info.element_count()), site, tp, num_groups,
+                       static_cast<int64_t>(rank_info.element_count()), key, tp, num_groups,
                        &found, &error)) {
       return ffi::Error::Internal(error);
     }
@@ -39,7 +39,7 @@ ffi::Error ResolveGroup(const char* op, cudaStream_t stream, int ordinal, RankSt
   return ffi::Error::Success();
 }
 
-ffi::Error GetGroupResources(const char* op, int64_t generation, const GroupInfo& g,
+ffi::Error GetGroupResources(const char* op, int64_t workspace_class, const GroupInfo& g,
                              bool need_arenas, GroupResources* out) {
   std::string failed;
   auto cuda_error = [&](cudaError_t err) {
@@ -50,10 +50,10 @@ ffi::Error GetGroupResources(const char* op, int64_t generation, const GroupInfo
     return cuda_error(err);
   }
   for (int p = 0; p < g.tp; ++p) {
-    out->arenas[p] = WorkspaceArena(generation, g.peers[p]);
+    out->arenas[p] = WorkspaceArena(workspace_class, g.peers[p]);
     if (need_arenas && out->arenas[p] == nullptr) {
       return OpError(op, "no workspace for host slot " + std::to_string(g.peers[p]) +
-                             " in generation " + std::to_string(generation));
+                             " in workspace class " + std::to_string(workspace_class));
     }
     if (cudaError_t err = GetDeviceResources(g.peers[p], &out->ranks[p], &failed);
         err != cudaSuccess) {

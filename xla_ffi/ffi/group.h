@@ -26,11 +26,11 @@ struct RankState {
 // op's rank operand: [rank, group], plus the group's slots in rank order with one process per
 // GPU.
 xla::ffi::Error ResolveGroup(const char* op, cudaStream_t stream, int ordinal, RankState* state,
-                             xla::ffi::Buffer<xla::ffi::S32> rank_info, int64_t site, int64_t tp,
-                             int64_t num_groups, GroupInfo* group);
+                             xla::ffi::Buffer<xla::ffi::S32> rank_info, RendezvousKey key,
+                             int64_t tp, int64_t num_groups, GroupInfo* group);
 
 // What a communicating handler needs of every rank of its group: workspace arenas of one
-// generation and the per-device resources (streams, events, flag arrays).
+// class and the per-device resources (streams, events, flag arrays).
 struct GroupResources {
   DeviceResources* self = nullptr;                  // this device's
   std::array<DeviceResources*, kMaxRanks> ranks{};  // by rank
@@ -38,7 +38,7 @@ struct GroupResources {
 };
 
 // Fills `out` for this device (g.slot) in group `g`. Call with the device current (DeviceGuard).
-xla::ffi::Error GetGroupResources(const char* op, int64_t generation, const GroupInfo& g,
+xla::ffi::Error GetGroupResources(const char* op, int64_t workspace_class, const GroupInfo& g,
                                   bool need_arenas, GroupResources* out);
 
 }  // namespace jaxflux

@@ -20,22 +20,24 @@ ffi::Error GroupCall::Begin(RankState* state, ffi::Buffer<ffi::S32> rank_info,
     return ffi::Error::InvalidArgument(std::string("jaxflux ") + op_ +
                                        ": rank_info must hold 2 (or 2 + tp) int32s");
   }
-  JAXFLUX_RETURN_IF_ERROR(ResolveGroup(op_, stream_, ordinal_, state, rank_info, attrs.site,
-                                       attrs.tp, attrs.num_groups, &g_));
+  JAXFLUX_RETURN_IF_ERROR(ResolveGroup(op_, stream_, ordinal_, state, rank_info,
+                                       {attrs.run_id, attrs.site}, attrs.tp, attrs.num_groups,
+                                       &g_));
   pending_ = TakeDeviceErrorMessage();
 
-  half_ = WorkspaceBytes(attrs.generation) / 2;
-  if (half_bytes > 0 && (WorkspaceArena(attrs.generation, g_.slot) == nullptr ||
+  half_ = WorkspaceBytes(attrs.workspace_class) / 2;
+  if (half_bytes > 0 && (WorkspaceArena(attrs.workspace_class, g_.slot) == nullptr ||
                          half_bytes > half_ || half_ % 256 != 0)) {
-    return OpError(op_, "workspace generation " + std::to_string(attrs.generation) +
+    return OpError(op_, "workspace class " + std::to_string(attrs.workspace_class) +
                             " has no room for " + std::to_string(half_bytes) +
                             " bytes per parity half on GPU " + std::to_string(ordinal_) +
-                            " (the op must be traced through jaxflux, which sizes it)");
+                            " (jaxflux sets a class up when it traces a call that needs it: "
+                            "trace the program in this process)");
   }
   guard_.emplace(ordinal_);
   JAXFLUX_RETURN_IF_CUDA_ERROR(op_, guard_->status());
   JAXFLUX_RETURN_IF_ERROR(
-      GetGroupResources(op_, attrs.generation, g_, half_bytes > 0, &resources_));
+      GetGroupResources(op_, attrs.workspace_class, g_, half_bytes > 0, &resources_));
   device_lock_ = std::unique_lock<std::mutex>(resources_.self->mu);
   skip_signals_ = attrs.debug_skip_rank == g_.rank;
   epoch_ = NextEpoch(g_.channel, g_.slot);

@@ -21,9 +21,10 @@ namespace jaxflux {
 struct GroupAttrs {
   int64_t tp = 0;
   int64_t num_groups = 0;
-  int64_t site = 0;             // unique id of the traced call (discovery's rendezvous key)
-  int64_t generation = 0;       // workspace generation to use
+  int64_t site = 0;             // the call's signature key (discovery's rendezvous key)
+  int64_t workspace_class = 0;  // the workspace arena to use (runtime.h)
   int64_t debug_skip_rank = -1;  // test hook: this rank never signals its peers
+  int64_t run_id = 0;            // XLA's logical execution (discovery's rendezvous key)
 };
 
 // printf into a std::string (the handlers' debug traces).

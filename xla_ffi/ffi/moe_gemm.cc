@@ -163,11 +163,11 @@ ffi::Error AllocateGemmScratch(const char* op, ffi::ScratchAllocator& scratch, S
 }
 
 ffi::Error MoeAgGroupedGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator scratch,
-                            RankState* state, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                            RankState* state, ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::S32> token_index,
                             ffi::Buffer<ffi::F32> row_scale, ffi::Buffer<ffi::S32> rank_info,
                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> rows,
-                            int64_t tp, int64_t num_groups, int64_t site, int64_t generation,
+                            int64_t tp, int64_t num_groups, int64_t site, int64_t workspace_class,
                             int64_t debug_skip_rank, int64_t transpose_w, int64_t tile) {
   const char* op = kAgOp;
   JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(op, "transpose_w", transpose_w, {0, 1}));
@@ -199,7 +199,8 @@ ffi::Error MoeAgGroupedGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAl
 
   GroupCall call(op, stream, ordinal);
   JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
-                                     {tp, num_groups, site, generation, debug_skip_rank},
+                                     {tp, num_groups, site, workspace_class, debug_skip_rank,
+                                      run.run_id},
                                      slot_bytes * static_cast<size_t>(tp)));
   const int rank = call.rank();
   DeviceResources* res = call.self();
@@ -259,11 +260,11 @@ ffi::Error MoeAgGroupedGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAl
 }
 
 ffi::Error MoeGroupedGemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator scratch,
-                            RankState* state, ffi::AnyBuffer h, ffi::AnyBuffer w,
+                            RankState* state, ffi::RunId run, ffi::AnyBuffer h, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::S32> row_index,
                             ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> rank_info,
                             ffi::Result<ffi::AnyBuffer> z, ffi::Result<ffi::AnyBuffer> y_rows,
-                            int64_t tp, int64_t num_groups, int64_t site, int64_t generation,
+                            int64_t tp, int64_t num_groups, int64_t site, int64_t workspace_class,
                             int64_t debug_skip_rank, int64_t transpose_w, int64_t tile) {
   const char* op = kRsOp;
   JAXFLUX_RETURN_IF_ERROR(CheckAttrIn(op, "transpose_w", transpose_w, {0, 1}));
@@ -300,7 +301,8 @@ ffi::Error MoeGroupedGemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAl
 
   GroupCall call(op, stream, ordinal);
   JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
-                                     {tp, num_groups, site, generation, debug_skip_rank},
+                                     {tp, num_groups, site, workspace_class, debug_skip_rank,
+                                      run.run_id},
                                      2 * slot_bytes * static_cast<size_t>(tp)));
   const int rank = call.rank();
   DeviceResources* res = call.self();
@@ -369,6 +371,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<xla::ffi::DeviceOrdinal>()                 // CUDA ordinal
         .Ctx<xla::ffi::ScratchAllocator>()              // the grouped GEMM's arguments
         .Ctx<xla::ffi::State<jaxflux::RankState>>()     // ranks found by this instance
+        .Ctx<xla::ffi::RunId>()                         // this logical execution
         .Arg<xla::ffi::AnyBuffer>()                     // x: [m, K] this rank's tokens
         .Arg<xla::ffi::AnyBuffer>()                     // w: [G, K, n] or [G, n, K]
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes: [tp, G]
@@ -380,7 +383,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("tp")
         .Attr<int64_t>("num_groups")
         .Attr<int64_t>("site")
-        .Attr<int64_t>("generation")
+        .Attr<int64_t>("workspace_class")
         .Attr<int64_t>("debug_skip_rank")
         .Attr<int64_t>("transpose_w")  // 1: w is [G, n, K]
         .Attr<int64_t>("tile"));       // GroupedGemmTiles
@@ -392,6 +395,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<xla::ffi::DeviceOrdinal>()                 // CUDA ordinal
         .Ctx<xla::ffi::ScratchAllocator>()              // the grouped GEMM's arguments
         .Ctx<xla::ffi::State<jaxflux::RankState>>()     // ranks found by this instance
+        .Ctx<xla::ffi::RunId>()                         // this logical execution
         .Arg<xla::ffi::AnyBuffer>()                     // h: [tp*s, k] every segment's rows
         .Arg<xla::ffi::AnyBuffer>()                     // w: [G, k, N] or [G, N, k]
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes: [tp, G]
@@ -403,7 +407,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("tp")
         .Attr<int64_t>("num_groups")
         .Attr<int64_t>("site")
-        .Attr<int64_t>("generation")
+        .Attr<int64_t>("workspace_class")
         .Attr<int64_t>("debug_skip_rank")
         .Attr<int64_t>("transpose_w")  // 1: w is [G, N, k]
         .Attr<int64_t>("tile"));       // GroupedGemmTiles

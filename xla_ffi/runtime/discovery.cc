@@ -1,6 +1,7 @@
 // Rank discovery: where a device stands in its tensor-parallel group. One rendezvous per
-// (call site, round): a device's round counts how many times it discovered this site (once per
-// executable instance), so all devices of one executable meet in the same round. With one
+// (run, signature key, round): the devices of one run of an executable share the run id, and a
+// device's round counts the calls of that key it discovered in the run, so the k-th such call
+// of every device meets the others' k-th (devices run a program's calls in one order). With one
 // process per GPU the rank operand names the peers and no rendezvous is needed.
 #include <cuda_runtime_api.h>
 
@@ -13,6 +14,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -32,8 +34,8 @@ struct Rendezvous {
 
 std::mutex g_rdv_mu;
 std::condition_variable g_rdv_cv;
-std::map<std::pair<int64_t, int64_t>, Rendezvous> g_rendezvous;
-std::map<std::pair<int64_t, int>, int64_t> g_rounds;  // (site, ordinal) -> next round
+std::map<std::tuple<int64_t, int64_t, int64_t>, Rendezvous> g_rendezvous;  // (run, site, round)
+std::map<std::tuple<int64_t, int64_t, int>, int64_t> g_rounds;  // (run, site, ordinal) -> next
 
 // The group's channel: the bitmask of its slots. A set, not the rank order, so that programs that
 // rank the same devices differently (permuted meshes) share one epoch sequence and one set of
@@ -106,7 +108,7 @@ bool GroupFromSlotWordsForTest(int ordinal, const std::vector<int32_t>& words, i
 }
 
 bool DiscoverGroup(cudaStream_t stream, int ordinal, const int32_t* rank_info_device,
-                   int64_t info_count, int64_t site, int64_t tp, int64_t num_groups,
+                   int64_t info_count, RendezvousKey key, int64_t tp, int64_t num_groups,
                    GroupInfo* info, std::string* error) {
   if (tp < 1 || tp > kMaxRanks) {
     *error = "jaxflux: group size " + std::to_string(tp) + " unsupported (1.." +
@@ -129,8 +131,9 @@ bool DiscoverGroup(cudaStream_t stream, int ordinal, const int32_t* rank_info_de
   }
   const int rank = host[0], group = host[1];
   if (DebugEnabled()) {
-    std::fprintf(stderr, "[jaxflux] GPU %d site %lld: rank %d group %d, rendezvous\n", ordinal,
-                 static_cast<long long>(site), rank, group);
+    std::fprintf(stderr, "[jaxflux] GPU %d run %lld site %lld: rank %d group %d, rendezvous\n",
+                 ordinal, static_cast<long long>(key.run_id), static_cast<long long>(key.site),
+                 rank, group);
   }
   if (rank < 0 || rank >= tp || group < 0 || group >= num_groups) {
     *error = "jaxflux: rank operand out of range on GPU " + std::to_string(ordinal) + ": rank " +
@@ -142,8 +145,8 @@ bool DiscoverGroup(cudaStream_t stream, int ordinal, const int32_t* rank_info_de
   if (info_count == 2 + tp) return GroupFromSlots(ordinal, host + 2, rank, group, tp, info, error);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(TimeoutNs());
   std::unique_lock<std::mutex> lock(g_rdv_mu);
-  const int64_t round = g_rounds[{site, ordinal}]++;
-  Rendezvous& rdv = g_rendezvous[{site, round}];
+  const int64_t round = g_rounds[{key.run_id, key.site, ordinal}]++;
+  Rendezvous& rdv = g_rendezvous[{key.run_id, key.site, round}];
   rdv.members[ordinal] = {rank, group};
   g_rdv_cv.notify_all();
   std::array<int, kMaxRanks> peers;
@@ -166,7 +169,7 @@ bool DiscoverGroup(cudaStream_t stream, int ordinal, const int32_t* rank_info_de
     }
     *error = "jaxflux: GPU " + std::to_string(ordinal) + " (rank " + std::to_string(rank) +
              ", group " + std::to_string(group) + ") found only these local devices of its "
-             "call site after " + std::to_string(TimeoutNs() / 1000000) + " ms:" + found +
+             "call after " + std::to_string(TimeoutNs() / 1000000) + " ms:" + found +
              ". All " + std::to_string(tp) + " ranks of a group must be GPUs of this process "
              "(with one process per GPU the rank operand names the peers instead), and XLA must "
              "run them concurrently.";
@@ -174,8 +177,9 @@ bool DiscoverGroup(cudaStream_t stream, int ordinal, const int32_t* rank_info_de
   }
   lock.unlock();
   if (DebugEnabled()) {
-    std::fprintf(stderr, "[jaxflux] GPU %d site %lld round %lld: group complete\n", ordinal,
-                 static_cast<long long>(site), static_cast<long long>(round));
+    std::fprintf(stderr, "[jaxflux] GPU %d run %lld site %lld round %lld: group complete\n",
+                 ordinal, static_cast<long long>(key.run_id), static_cast<long long>(key.site),
+                 static_cast<long long>(round));
   }
   int channel;
   if (!ChannelOf(peers, tp, &channel, error)) return false;

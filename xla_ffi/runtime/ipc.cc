@@ -41,12 +41,12 @@ bool OpenHandle(const char* bytes, int slot, void** ptr, std::string* error) {
 
 }  // namespace
 
-bool ExportDevice(int64_t generation, int ordinal, IpcHandles* out, std::string* error) {
+bool ExportDevice(int64_t workspace_class, int ordinal, IpcHandles* out, std::string* error) {
   const int slot = SlotOfOrdinal(ordinal);
-  char* arena = WorkspaceArena(generation, slot);
+  char* arena = WorkspaceArena(workspace_class, slot);
   if (arena == nullptr || slot < 0 || !runtime_internal::DeviceEntry(slot).ready.load()) {
-    *error = "jaxflux: GPU " + std::to_string(ordinal) + " has no workspace in generation " +
-             std::to_string(generation) + " to export";
+    *error = "jaxflux: GPU " + std::to_string(ordinal) + " has no workspace of class " +
+             std::to_string(workspace_class) + " to export";
     return false;
   }
   DeviceResources& device = runtime_internal::DeviceEntry(slot);
@@ -70,13 +70,13 @@ bool ExportDevice(int64_t generation, int ordinal, IpcHandles* out, std::string*
   return true;
 }
 
-bool ImportPeer(int64_t generation, int slot, const IpcHandles& handles, int local_ordinal,
-                std::string* error) {
+bool ImportPeer(int64_t workspace_class, int slot, const IpcHandles& handles,
+                int local_ordinal, std::string* error) {
   std::lock_guard<std::mutex> lock(runtime_internal::WorkspaceMutex());
-  if (slot < 0 || slot >= kMaxDevices || generation < 0 ||
-      generation >= runtime_internal::NumGenerations()) {
-    *error = "jaxflux: ImportPeer: slot " + std::to_string(slot) + " or generation " +
-             std::to_string(generation) + " out of range";
+  if (slot < 0 || slot >= kMaxDevices ||
+      !runtime_internal::ValidWorkspaceClass(workspace_class)) {
+    *error = "jaxflux: ImportPeer: slot " + std::to_string(slot) + " or workspace class " +
+             std::to_string(workspace_class) + " out of range";
     return false;
   }
   DeviceGuard guard(local_ordinal);
@@ -97,11 +97,11 @@ bool ImportPeer(int64_t generation, int slot, const IpcHandles& handles, int loc
     r.remote = true;
     r.ready.store(true, std::memory_order_release);
   }
-  char*& arena_entry = runtime_internal::ArenaEntry(generation, slot);
-  if (arena_entry == nullptr) {
+  std::atomic<char*>& arena_entry = runtime_internal::ArenaEntry(workspace_class, slot);
+  if (arena_entry.load() == nullptr) {
     void* arena = nullptr;
     if (!OpenHandle(handles.arena, slot, &arena, error)) return false;
-    arena_entry = static_cast<char*>(arena);
+    arena_entry.store(static_cast<char*>(arena), std::memory_order_release);
   }
   return true;
 }

@@ -15,16 +15,20 @@ inline constexpr int kMaxRanks = 8;         // ranks of one group (NVLink domain
 // A group's channel is the bitmask of its host slots: the same number in every process of the
 // group without any agreement (flag arrays: 2 x 8 MiB per GPU).
 inline constexpr int kMaxChannels = 1 << kMaxDevices;
-inline constexpr int kMaxGenerations = 64;  // workspace growths over a process lifetime
+// The symmetric workspace is one arena per size class on every GPU: class c holds 2^c bytes. A
+// call names the class of what it needs, a pure function of its shapes (and of the reserve set
+// by jaxflux.configure), so a traced program carries no process history and every process of a
+// group names the same arenas.
+inline constexpr int kMinWorkspaceClass = 21;  // 2 MiB
+inline constexpr int kMaxWorkspaceClass = 40;  // 1 TiB
 
-// Makes every device in `ordinals` hold an arena of at least `bytes` (the call's receive-slot
-// needs) in the current workspace generation; grows (new generation, old arenas kept alive)
-// when needed. Returns the generation to bake into the traced call, or nullopt with `error`.
-std::optional<int64_t> EnsureWorkspace(const std::vector<int>& ordinals, size_t bytes,
-                                       size_t minimum_bytes, std::string* error);
+// Makes every device in `ordinals` hold the arena of `workspace_class` (allocated once, kept
+// until exit). False with `error` on a bad class or a failed allocation.
+bool EnsureWorkspace(const std::vector<int>& ordinals, int64_t workspace_class,
+                     std::string* error);
 
-// Bytes of arena per device in a generation (0 when it does not exist).
-size_t WorkspaceBytes(int64_t generation);
+// Bytes of the arena of `workspace_class` (0 while no GPU of this process has it).
+size_t WorkspaceBytes(int64_t workspace_class);
 
 // Host slots. The runtime's per-device tables (arenas, flag arrays, the source index of a flag)
 // are indexed by a GPU's slot among all GPUs of its host. With one process the slot is the CUDA
@@ -47,7 +51,7 @@ int SlotOfOrdinal(int ordinal);
 void SetHostIndex(int host);
 int HostIndex();
 
-// CUDA IPC handles of one device's workspace arena (of a generation) and flag arrays, as bytes
+// CUDA IPC handles of one device's workspace arena (of a class) and flag arrays, as bytes
 // (cudaIpcMemHandle_t is 64 bytes) so that this header needs no CUDA types.
 inline constexpr size_t kIpcHandleBytes = 64;
 struct IpcHandles {
@@ -55,11 +59,11 @@ struct IpcHandles {
   char ready_flags[kIpcHandleBytes];
   char landed_flags[kIpcHandleBytes];
 };
-// Exports this process's GPU `ordinal`; false with `error` if it has no arena in `generation`.
-bool ExportDevice(int64_t generation, int ordinal, IpcHandles* out, std::string* error);
+// Exports this process's GPU `ordinal`; false with `error` if it has no arena of the class.
+bool ExportDevice(int64_t workspace_class, int ordinal, IpcHandles* out, std::string* error);
 // Opens another process's GPU at host slot `slot` into the tables, mapped for this process's GPU
-// `local_ordinal`: its flag arrays once, its arena of `generation`.
-bool ImportPeer(int64_t generation, int slot, const IpcHandles& handles, int local_ordinal,
+// `local_ordinal`: its flag arrays once, its arena of `workspace_class`.
+bool ImportPeer(int64_t workspace_class, int slot, const IpcHandles& handles, int local_ordinal,
                 std::string* error);
 // Closes every imported mapping (process exit).
 void CloseImportedPeers();

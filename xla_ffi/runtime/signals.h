@@ -48,8 +48,8 @@ struct DeviceResources {
 // GPUs, imported by ImportPeer for other processes').
 cudaError_t GetDeviceResources(int slot, DeviceResources** out, std::string* failed_call);
 
-// Arena base of host slot `slot` in `generation` (nullptr when absent).
-char* WorkspaceArena(int64_t generation, int slot);
+// Arena base of host slot `slot` of `workspace_class` (nullptr when absent).
+char* WorkspaceArena(int64_t workspace_class, int slot);
 
 // Bumps and returns the epoch of (channel, slot). Epochs start at 1.
 uint64_t NextEpoch(int channel, int slot);
@@ -57,13 +57,21 @@ uint64_t NextEpoch(int channel, int slot);
 // Host-mapped record the kernels write on timeout / rank mismatch (device pointer).
 DeviceErrorRecord* DeviceErrorRecordPtr();
 
+// Where the local devices of one call meet: XLA's logical execution (every device of one run of
+// an executable shares its run id, as XLA's own collectives rely on) and the call's signature
+// key. Calls of one run with equal keys meet in successive rounds, in program order.
+struct RendezvousKey {
+  int64_t run_id = 0;
+  int64_t site = 0;
+};
+
 // Reads this device's rank info (one synchronous D2H copy on `stream`), then rendezvous with the
-// other local devices of the same call site until all `tp` ranks of its group are known.
-// Bounded by the configured timeout.
+// other local devices of the same call until all `tp` ranks of its group are known. Bounded by
+// the configured timeout.
 // With one process per GPU the operand also holds the group's slots in rank order
 // (`info_count` == 2 + tp; see docs/design.md) and no rendezvous is needed.
 bool DiscoverGroup(cudaStream_t stream, int ordinal, const int32_t* rank_info_device,
-                   int64_t info_count, int64_t site, int64_t tp, int64_t num_groups,
+                   int64_t info_count, RendezvousKey key, int64_t tp, int64_t num_groups,
                    GroupInfo* info, std::string* error);
 
 // Scoped cudaSetDevice that restores the previous device.

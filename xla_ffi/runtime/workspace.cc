@@ -1,4 +1,4 @@
-// The symmetric workspace and per-device resources: workspace generations and their arenas, host
+// The symmetric workspace and per-device resources: the arenas of each size class, host
 // slots, the side stream, events and flag arrays of each GPU, peer access, and epochs.
 #include <cuda_runtime_api.h>
 
@@ -19,14 +19,11 @@ namespace {
 
 using runtime_internal::CudaCall;
 
-constexpr size_t kArenaAlignment = size_t{2} << 20;  // grow in 2 MiB steps
-
-// Workspace generations. Only appended: a traced call names its generation and every device
-// uses that generation's arenas, so programs queued before a growth keep consistent pointers.
+// Arenas by size class (runtime.h), never freed: a traced call names its class, and every
+// device of the call finds that class's arenas however many programs were traced since.
 std::mutex g_workspace_mu;
-std::atomic<int64_t> g_num_generations{0};
-std::array<size_t, kMaxGenerations> g_generation_bytes{};
-std::array<std::array<char*, kMaxDevices>, kMaxGenerations> g_arenas{};
+constexpr int kNumClasses = kMaxWorkspaceClass + 1;
+std::array<std::array<std::atomic<char*>, kMaxDevices>, kNumClasses> g_arenas{};
 
 std::array<DeviceResources, kMaxDevices> g_devices;  // by host slot
 
@@ -103,8 +100,12 @@ std::string CudaCall(const char* call, cudaError_t err) {
 }
 
 std::mutex& WorkspaceMutex() { return g_workspace_mu; }
-int64_t NumGenerations() { return g_num_generations.load(std::memory_order_acquire); }
-char*& ArenaEntry(int64_t generation, int slot) { return g_arenas[generation][slot]; }
+bool ValidWorkspaceClass(int64_t workspace_class) {
+  return workspace_class >= kMinWorkspaceClass && workspace_class <= kMaxWorkspaceClass;
+}
+std::atomic<char*>& ArenaEntry(int64_t workspace_class, int slot) {
+  return g_arenas[workspace_class][slot];
+}
 DeviceResources& DeviceEntry(int slot) { return g_devices[slot]; }
 
 }  // namespace runtime_internal
@@ -130,17 +131,21 @@ int DeviceSmCount(int ordinal) {
   return count;
 }
 
-std::optional<int64_t> EnsureWorkspace(const std::vector<int>& ordinals, size_t bytes,
-                                       size_t minimum_bytes, std::string* error) {
+bool EnsureWorkspace(const std::vector<int>& ordinals, int64_t workspace_class,
+                     std::string* error) {
   std::lock_guard<std::mutex> lock(g_workspace_mu);
-  const int64_t n = g_num_generations.load();
+  if (!runtime_internal::ValidWorkspaceClass(workspace_class)) {
+    *error = "jaxflux: workspace class " + std::to_string(workspace_class) + " out of range " +
+             std::to_string(kMinWorkspaceClass) + ".." + std::to_string(kMaxWorkspaceClass);
+    return false;
+  }
   for (int ordinal : ordinals) {
     if (ordinal < 0 || ordinal >= kMaxDevices || SlotOfOrdinal(ordinal) < 0 ||
         SlotOfOrdinal(ordinal) >= kMaxDevices) {
       *error = "jaxflux: device ordinal " + std::to_string(ordinal) + " (host slot " +
                std::to_string(SlotOfOrdinal(ordinal)) + ") out of range 0.." +
                std::to_string(kMaxDevices - 1);
-      return std::nullopt;
+      return false;
     }
   }
   for (int ordinal : ordinals) {
@@ -149,82 +154,60 @@ std::optional<int64_t> EnsureWorkspace(const std::vector<int>& ordinals, size_t 
       (void)cudaGetLastError();
       *error = "jaxflux: setting up GPU " + std::to_string(ordinal) + ": " +
                CudaCall(failed.c_str(), err);
-      return std::nullopt;
+      return false;
     }
   }
-  if (n > 0 && g_generation_bytes[n - 1] >= bytes) {
-    bool all = true;
-    for (int ordinal : ordinals) all = all && g_arenas[n - 1][SlotOfOrdinal(ordinal)] != nullptr;
-    if (all) return n - 1;
-  }
-  if (n >= kMaxGenerations) {
-    *error = "jaxflux: the workspace grew " + std::to_string(kMaxGenerations) +
-             " times; reserve it up front with jaxflux.configure(workspace_bytes=...)";
-    return std::nullopt;
-  }
-  size_t want = std::max({bytes, minimum_bytes, n > 0 ? g_generation_bytes[n - 1] : size_t{0}});
-  want = (want + kArenaAlignment - 1) / kArenaAlignment * kArenaAlignment;
-  std::array<char*, kMaxDevices> arenas{};
+  const size_t bytes = size_t{1} << workspace_class;
+  auto& arenas = g_arenas[workspace_class];
   for (int ordinal : ordinals) {
+    if (arenas[SlotOfOrdinal(ordinal)].load() != nullptr) continue;
     for (int peer : ordinals) {
       cudaError_t err = EnablePeer(ordinal, peer);
       if (err != cudaSuccess) {
         *error = "jaxflux: peer access from GPU " + std::to_string(ordinal) + " to GPU " +
                  std::to_string(peer) + ": " + CudaCall("cudaDeviceEnablePeerAccess", err) +
                  ". The fused ops need all GPUs of a group linked (NVLink or PCIe P2P).";
-        return std::nullopt;
+        return false;
       }
     }
     DeviceGuard guard(ordinal);
     void* ptr = nullptr;
-    cudaError_t err = guard.status() != cudaSuccess ? guard.status() : cudaMalloc(&ptr, want);
+    cudaError_t err = guard.status() != cudaSuccess ? guard.status() : cudaMalloc(&ptr, bytes);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
-      for (int o : ordinals) {
-        if (arenas[SlotOfOrdinal(o)] != nullptr) {
-          DeviceGuard g(o);
-          cudaFree(arenas[SlotOfOrdinal(o)]);  // never published, so nothing can be using it
-        }
-      }
       size_t free_b = 0, total_b = 0;
       cudaMemGetInfo(&free_b, &total_b);
       (void)cudaGetLastError();
-      *error = "jaxflux: could not allocate the symmetric workspace: " + FormatMiB(want) +
+      *error = "jaxflux: could not allocate the symmetric workspace: " + FormatMiB(bytes) +
                " on GPU " + std::to_string(ordinal) + " (" + CudaCall("cudaMalloc", err) +
                "; " + FormatMiB(free_b) + " free outside XLA's pool). The workspace lives "
                "outside XLA's allocator, which by default takes 75% of GPU memory up front: "
                "lower XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. 0.70) or set "
-               "XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts; to grow it once instead "
-               "of per shape, call jaxflux.configure(workspace_bytes=...) with the largest need.";
-      return std::nullopt;
+               "XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts; to allocate one arena "
+               "for every shape instead of one per size class, call "
+               "jaxflux.configure(workspace_bytes=...) with the largest need.";
+      return false;
     }
-    arenas[SlotOfOrdinal(ordinal)] = static_cast<char*>(ptr);
+    // Published once allocated; handlers read it without the lock.
+    arenas[SlotOfOrdinal(ordinal)].store(static_cast<char*>(ptr), std::memory_order_release);
   }
-  // Slots not in `ordinals` inherit the previous generation's arena (still alive) so that a
-  // generation's table is never sparser than the one before it. (Another process's GPUs get
-  // theirs from ImportPeer.)
-  for (int d = 0; d < kMaxDevices; ++d) {
-    if (arenas[d] == nullptr && n > 0 && g_generation_bytes[n - 1] >= want) {
-      arenas[d] = g_arenas[n - 1][d];
-    }
-  }
-  g_arenas[n] = arenas;
-  g_generation_bytes[n] = want;
-  g_num_generations.store(n + 1, std::memory_order_release);
-  return n;
+  return true;
 }
 
-size_t WorkspaceBytes(int64_t generation) {
-  if (generation < 0 || generation >= g_num_generations.load(std::memory_order_acquire)) return 0;
-  return g_generation_bytes[generation];
+size_t WorkspaceBytes(int64_t workspace_class) {
+  if (!runtime_internal::ValidWorkspaceClass(workspace_class)) return 0;
+  for (const auto& arena : g_arenas[workspace_class]) {
+    if (arena.load(std::memory_order_acquire) != nullptr) return size_t{1} << workspace_class;
+  }
+  return 0;
 }
 
-char* WorkspaceArena(int64_t generation, int slot) {
-  if (generation < 0 || generation >= g_num_generations.load(std::memory_order_acquire) ||
-      slot < 0 || slot >= kMaxDevices) {
+char* WorkspaceArena(int64_t workspace_class, int slot) {
+  if (!runtime_internal::ValidWorkspaceClass(workspace_class) || slot < 0 ||
+      slot >= kMaxDevices) {
     return nullptr;
   }
-  return g_arenas[generation][slot];
+  return g_arenas[workspace_class][slot].load(std::memory_order_acquire);
 }
 
 uint64_t NextEpoch(int channel, int slot) {

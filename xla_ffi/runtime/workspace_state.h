@@ -4,6 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -15,15 +16,15 @@ namespace jaxflux::runtime_internal {
 // "<call> failed: <CUDA's message>".
 std::string CudaCall(const char* call, cudaError_t err);
 
-// Guards growing the workspace and importing peers.
+// Guards allocating arenas and importing peers.
 std::mutex& WorkspaceMutex();
 
-// Generations published so far.
-int64_t NumGenerations();
+// Whether `workspace_class` is a class the runtime has (runtime.h).
+bool ValidWorkspaceClass(int64_t workspace_class);
 
-// The arena of host slot `slot` in `generation` (< NumGenerations()), to read or set under
+// The arena of host slot `slot` of a valid `workspace_class`, to read or set under
 // WorkspaceMutex().
-char*& ArenaEntry(int64_t generation, int slot);
+std::atomic<char*>& ArenaEntry(int64_t workspace_class, int slot);
 
 // Resources of host slot `slot` (0 <= slot < kMaxDevices), whether set up or not.
 DeviceResources& DeviceEntry(int slot);
