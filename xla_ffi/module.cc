@@ -250,5 +250,21 @@ NB_MODULE(_jaxflux, m) {
         },
         nb::arg("ordinal"), nb::arg("words"), nb::arg("rank"), nb::arg("group"),
         "Test hook: [rank, group, channel, slot, peers...] from a multi-process rank operand.");
+  m.def("_meet_local_peers",
+        [](int ordinal, int rank, int group, int64_t run_id, int64_t site, int64_t tp) {
+          std::vector<int> peers;
+          std::string error;
+          bool met;
+          {
+            nb::gil_scoped_release release;  // the other ranks arrive from other threads
+            met = jaxflux::MeetLocalPeersForTest(ordinal, rank, group, run_id, site, tp, &peers,
+                                                 &error);
+          }
+          if (!met) throw std::runtime_error(error);
+          return peers;
+        },
+        nb::arg("ordinal"), nb::arg("rank"), nb::arg("group"), nb::arg("run_id"),
+        nb::arg("site"), nb::arg("tp"),
+        "Test hook: one-process rank discovery's rendezvous; the host slot of each rank.");
 #endif
 }

@@ -89,60 +89,10 @@ bool GroupFromSlots(int ordinal, const int32_t* words, int rank, int group, int6
   return ChannelOf(peers, tp, &info->channel, error);
 }
 
-}  // namespace
-
-int64_t DiscoveryCount() { return g_discoveries.load(); }
-
-bool GroupFromSlotWordsForTest(int ordinal, const std::vector<int32_t>& words, int rank,
-                               int group, std::vector<int>* out, std::string* error) {
-  const auto tp = static_cast<int64_t>(words.size());
-  if (tp < 1 || tp > kMaxRanks || rank < 0 || rank >= tp) {
-    *error = "jaxflux: bad test arguments";
-    return false;
-  }
-  GroupInfo info;
-  if (!GroupFromSlots(ordinal, words.data(), rank, group, tp, &info, error)) return false;
-  *out = {info.rank, info.group, info.channel, info.slot};
-  out->insert(out->end(), info.peers.begin(), info.peers.begin() + tp);
-  return true;
-}
-
-bool DiscoverGroup(cudaStream_t stream, int ordinal, const int32_t* rank_info_device,
-                   int64_t info_count, RendezvousKey key, int64_t tp, int64_t num_groups,
-                   GroupInfo* info, std::string* error) {
-  if (tp < 1 || tp > kMaxRanks) {
-    *error = "jaxflux: group size " + std::to_string(tp) + " unsupported (1.." +
-             std::to_string(kMaxRanks) + " GPUs of one host)";
-    return false;
-  }
-  if (info_count != 2 && info_count != 2 + tp) {
-    *error = "jaxflux: the rank operand holds " + std::to_string(info_count) + " int32s; expected "
-             "2, or 2 + tp with one process per GPU";
-    return false;
-  }
-  int32_t host[2 + kMaxRanks];
-  std::fill(std::begin(host), std::end(host), -1);
-  cudaError_t err = cudaMemcpyAsync(host, rank_info_device, sizeof(int32_t) * info_count,
-                                    cudaMemcpyDeviceToHost, stream);
-  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
-  if (err != cudaSuccess) {
-    *error = "jaxflux: reading the rank operand: " + runtime_internal::CudaCall("cudaMemcpyAsync/Synchronize", err);
-    return false;
-  }
-  const int rank = host[0], group = host[1];
-  if (DebugEnabled()) {
-    std::fprintf(stderr, "[jaxflux] GPU %d run %lld site %lld: rank %d group %d, rendezvous\n",
-                 ordinal, static_cast<long long>(key.run_id), static_cast<long long>(key.site),
-                 rank, group);
-  }
-  if (rank < 0 || rank >= tp || group < 0 || group >= num_groups) {
-    *error = "jaxflux: rank operand out of range on GPU " + std::to_string(ordinal) + ": rank " +
-             std::to_string(rank) + " of " + std::to_string(tp) + ", group " +
-             std::to_string(group) + " of " + std::to_string(num_groups);
-    return false;
-  }
-  g_discoveries.fetch_add(1);
-  if (info_count == 2 + tp) return GroupFromSlots(ordinal, host + 2, rank, group, tp, info, error);
+// The in-process rendezvous: waits (bounded) until the `tp` ranks of `group` in this device's
+// round of `key` are known; `peers[rank]` = their host slots.
+bool MeetLocalPeers(int ordinal, int rank, int group, RendezvousKey key, int64_t tp,
+                    std::array<int, kMaxRanks>* peers_out, std::string* error) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(TimeoutNs());
   std::unique_lock<std::mutex> lock(g_rdv_mu);
   const int64_t round = g_rounds[{key.run_id, key.site, ordinal}]++;
@@ -181,6 +131,79 @@ bool DiscoverGroup(cudaStream_t stream, int ordinal, const int32_t* rank_info_de
                  ordinal, static_cast<long long>(key.run_id), static_cast<long long>(key.site),
                  static_cast<long long>(round));
   }
+  *peers_out = peers;
+  return true;
+}
+
+}  // namespace
+
+int64_t DiscoveryCount() { return g_discoveries.load(); }
+
+bool MeetLocalPeersForTest(int ordinal, int rank, int group, int64_t run_id, int64_t site,
+                           int64_t tp, std::vector<int>* peers, std::string* error) {
+  if (tp < 1 || tp > kMaxRanks || rank < 0 || rank >= tp) {
+    *error = "jaxflux: bad test arguments";
+    return false;
+  }
+  std::array<int, kMaxRanks> found;
+  if (!MeetLocalPeers(ordinal, rank, group, {run_id, site}, tp, &found, error)) return false;
+  peers->assign(found.begin(), found.begin() + tp);
+  return true;
+}
+
+bool GroupFromSlotWordsForTest(int ordinal, const std::vector<int32_t>& words, int rank,
+                               int group, std::vector<int>* out, std::string* error) {
+  const auto tp = static_cast<int64_t>(words.size());
+  if (tp < 1 || tp > kMaxRanks || rank < 0 || rank >= tp) {
+    *error = "jaxflux: bad test arguments";
+    return false;
+  }
+  GroupInfo info;
+  if (!GroupFromSlots(ordinal, words.data(), rank, group, tp, &info, error)) return false;
+  *out = {info.rank, info.group, info.channel, info.slot};
+  out->insert(out->end(), info.peers.begin(), info.peers.begin() + tp);
+  return true;
+}
+
+bool DiscoverGroup(cudaStream_t stream, int ordinal, const int32_t* rank_info_device,
+                   int64_t info_count, RendezvousKey key, int64_t tp, int64_t num_groups,
+                   GroupInfo* info, std::string* error) {
+  if (tp < 1 || tp > kMaxRanks) {
+    *error = "jaxflux: group size " + std::to_string(tp) + " unsupported (1.." +
+             std::to_string(kMaxRanks) + " GPUs of one host)";
+    return false;
+  }
+  if (info_count != 2 && info_count != 2 + tp) {
+    *error = "jaxflux: the rank operand holds " + std::to_string(info_count) + " int32s; expected "
+             "2, or 2 + tp with one process per GPU";
+    return false;
+  }
+  int32_t host[2 + kMaxRanks];
+  std::fill(std::begin(host), std::end(host), -1);
+  cudaError_t err = cudaMemcpyAsync(host, rank_info_device, sizeof(int32_t) * info_count,
+                                    cudaMemcpyDeviceToHost, stream);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+  if (err != cudaSuccess) {
+    *error = "jaxflux: reading the rank operand: " +
+             runtime_internal::CudaCall("cudaMemcpyAsync/Synchronize", err);
+    return false;
+  }
+  const int rank = host[0], group = host[1];
+  if (DebugEnabled()) {
+    std::fprintf(stderr, "[jaxflux] GPU %d run %lld site %lld: rank %d group %d, rendezvous\n",
+                 ordinal, static_cast<long long>(key.run_id), static_cast<long long>(key.site),
+                 rank, group);
+  }
+  if (rank < 0 || rank >= tp || group < 0 || group >= num_groups) {
+    *error = "jaxflux: rank operand out of range on GPU " + std::to_string(ordinal) + ": rank " +
+             std::to_string(rank) + " of " + std::to_string(tp) + ", group " +
+             std::to_string(group) + " of " + std::to_string(num_groups);
+    return false;
+  }
+  g_discoveries.fetch_add(1);
+  if (info_count == 2 + tp) return GroupFromSlots(ordinal, host + 2, rank, group, tp, info, error);
+  std::array<int, kMaxRanks> peers;
+  if (!MeetLocalPeers(ordinal, rank, group, key, tp, &peers, error)) return false;
   int channel;
   if (!ChannelOf(peers, tp, &channel, error)) return false;
   info->rank = rank;

@@ -73,6 +73,11 @@ void CloseImportedPeers();
 bool GroupFromSlotWordsForTest(int ordinal, const std::vector<int32_t>& words, int rank,
                                int group, std::vector<int>* out, std::string* error);
 
+// Test hook (CPU tests, from threads; no GPU needed): the one-process rendezvous of rank discovery
+// for GPU `ordinal` at (run_id, site); the host slot of each rank of its group.
+bool MeetLocalPeersForTest(int ordinal, int rank, int group, int64_t run_id, int64_t site,
+                           int64_t tp, std::vector<int>* peers, std::string* error);
+
 // Settings read by every handler call (so they apply to programs compiled earlier too).
 void SetTimeoutNs(uint64_t timeout_ns);
 uint64_t TimeoutNs();
