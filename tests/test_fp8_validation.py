@@ -2,7 +2,8 @@
 scales (missing, dtype, shape, without FP8), operand dtypes (mixed, other 1-byte floats),
 differentiation (forward-only), and impl="fused" (the platform on CPU; each FP8 kernel condition
 with the platform check faked away), for each of the three ops. Also the dispatch: impl="auto"
-takes XLA for FP8, and impl="fused" calls the fused FP8 entry with normalized scales."""
+takes XLA for FP8 but the measured decode rows at tp=1 on an H100, and impl="fused" calls the
+fused FP8 entry with normalized scales."""
 from __future__ import annotations
 
 import re
@@ -270,6 +271,36 @@ def test_auto_takes_xla_for_fp8_even_where_kernels_run(fake_gpu, op):
   text = str(jax.make_jaxpr(f)(arr((4096, 64)), arr((16, 64))))
   assert "jaxflux_" not in text
   assert COLLECTIVE[op] in text
+
+
+H100 = tuning.Device("NVIDIA H100 80GB HBM3", "9.0", 132)
+H200 = tuning.Device("NVIDIA H200", "9.0", 132)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("device,rows,fused", [
+    (H100, 1, True), (H100, 128, True), (H100, 129, False), (H200, 16, False), (None, 16, False)])
+def test_auto_takes_the_fp8_decode_gemm_at_tp1_where_measured_ahead(fake_gpu, monkeypatch, op,
+                                                                    device, rows, fused):
+  """The one FP8 rule (tuning/table.py): decode rows at tp=1 on an H100, where the FP8 decode
+  GEMM was timed ahead of XLA's FP8 dot. Larger rows, an H200 (not timed) and a GPU without a
+  shipped table keep XLA."""
+  monkeypatch.setattr(tuning.device, "current", lambda: device)
+  monkeypatch.setattr(_runtime, "gemm_workspace_bytes", lambda *args: 1024)
+  monkeypatch.setattr(_runtime, "sm_count", lambda: 132)
+  mesh = make_mesh((1,), ("tp",))
+  f = jax.shard_map(lambda x, w: OPS[op](x, w, "tp", transpose_w=True, **ok_scales((rows, 64))),
+                    mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+  text = str(jax.make_jaxpr(f)(arr((rows, 64)), arr((16, 64))))
+  assert ("jaxflux_gemm" in text) == fused, text
+
+
+def test_the_fp8_rule_needs_fp8_operands_and_tp1():
+  for op in NAMES.values():
+    assert tuning.auto_prefers_fused(op, 1, 16, 64, fp8=True, device=H100)
+    assert not tuning.auto_prefers_fused(op, 1, 16, 64, device=H100)  # 16-bit: cuBLAS ahead
+    assert not tuning.auto_prefers_fused(op, 2, 16, 64, fp8=True, device=H100)
+  assert not tuning.auto_prefers_fused("grouped_matmul", 1, 16, 64, fp8=True, device=H100)
 
 
 @pytest.mark.parametrize("per_tensor", [True, False], ids=["per-tensor", "row-wise"])

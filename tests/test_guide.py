@@ -215,14 +215,21 @@ def test_what_runs_where_on_cpu(guide_run):
 
 
 def test_guide_states_the_tuning_tables_auto_rules():
-  """The 'what runs where' table quotes every AUTO_RULES rule: op, tp and row threshold."""
+  """The 'what runs where' table quotes every AUTO_RULES rule: op, tp, rows, operands and
+  kind of GPU."""
   from jaxflux.tuning import AUTO_RULES
 
   text = GUIDE.read_text()
   table = text[text.index("## What runs where"):]
   for rule in AUTO_RULES:
-    assert f"`{rule.op}` from {rule.min_rows}" in table, rule
+    rows = f" to {rule.max_rows} rows" if rule.max_rows is not None else ""
+    assert f"`{rule.op}` from {rule.min_rows}{rows}" in table, rule
     assert (f"tp = {rule.tp}" if rule.tp != "*" else "at any tp") in table, rule
+    if rule.operands == "fp8":
+      assert "with FP8 operands" in table, rule
+    if rule.device != "*":
+      kind = {"h100_sxm": "on an H100", "h200": "on an H200"}[rule.device]
+      assert kind in table, rule
     if rule.max_rows_times_k is not None:
       exponent = rule.max_rows_times_k.bit_length() - 1
       assert rule.max_rows_times_k == 2 ** exponent

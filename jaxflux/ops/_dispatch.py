@@ -4,9 +4,9 @@ once per call at trace time, by one rule for every op family (dense, FP8, groupe
   "xla"    XLA.
   "fused"  the kernel, or an error saying why it can't run here (never a silent fallback).
   "auto"   the kernel where it can run and a rule of the tuning table (AUTO_RULES,
-           jaxflux/tuning/table.py) says it was measured ahead of XLA for this op, group size
-           and rows; XLA elsewhere. FP8 calls have no rule yet (no timing of the FP8 kernels
-           against XLA's FP8 dot backs one): XLA.
+           jaxflux/tuning/table.py) says it was measured ahead of XLA for this op, group size,
+           rows, operands (16-bit or FP8) and kind of GPU; XLA elsewhere. FP8 calls have one
+           rule so far: the decode rows at tp=1 on an H100.
 
 Each op family says why its kernel can't run (a `reason`); `decide` applies the rule. At tp=1
 nothing is communicated: the fused call is the op's GEMM alone, so only the platform (not the
@@ -21,8 +21,8 @@ from jaxflux.ops import _common, _platform
 
 # What an impl='fused' error suggests.
 FALL_BACK = "Use impl='auto' to fall back to XLA where the fused kernel cannot run."
-FP8_FALL_BACK = ("Use impl='xla' (or 'auto', which takes XLA for FP8) to run XLA's FP8 dot "
-                 "instead.")
+FP8_FALL_BACK = ("Use impl='xla' (or 'auto', which takes XLA for FP8 where no measured rule "
+                 "says otherwise) to run XLA's FP8 dot instead.")
 
 
 def decide(op: str, impl: str, reason: Callable[[], str | None], *, tp: int, rows: int, k: int,
@@ -33,7 +33,7 @@ def decide(op: str, impl: str, reason: Callable[[], str | None], *, tp: int, row
   impl="fused" with a reason raises FusedKernelUnavailableError ending with `fix`."""
   if impl == "xla":
     return "xla"
-  if impl == "auto" and (fp8 or not tuning.auto_prefers_fused(op, tp, rows, k)):
+  if impl == "auto" and not tuning.auto_prefers_fused(op, tp, rows, k, fp8=fp8):
     return "xla"
   why = reason()
   if why is None:

@@ -70,13 +70,20 @@ def candidates(op: str) -> tuple[dict, ...]:
                    "'all_gather_matmul' and 'matmul_reduce_scatter'.")
 
 
-def auto_prefers_fused(op: str, tp: int, rows: int, k: int, arch: str = ARCH) -> bool:
+def auto_prefers_fused(op: str, tp: int, rows: int, k: int, arch: str = ARCH, *,
+                       fp8: bool = False, device=LOCAL) -> bool:
   """impl="auto": whether an AUTO_RULES rule says the kernel wins for `op` (any family: dense,
   grouped, MoE) at group size tp, for `rows` rows (the GEMM's: gathered rows for
-  all_gather_matmul, x's rows for matmul_reduce_scatter) and K_local `k`. No rule for
-  (op, arch, tp): XLA."""
+  all_gather_matmul, x's rows for matmul_reduce_scatter) and K_local `k`, with FP8 operands or
+  16-bit ones, on `device` (a Device, None for no GPU kind in particular, LOCAL for this
+  process's GPU). A rule for one kind of GPU holds for that kind only. No rule: XLA."""
+  operands = "fp8" if fp8 else "16-bit"
+  resolved = resolve_device(device)
+  kind = resolved.shipped_table if resolved is not None else None
   for rule in AUTO_RULES:
-    if (rule.op, rule.arch) == (op, arch) and rule.tp in (tp, "*"):
-      return rows >= rule.min_rows and (rule.max_rows_times_k is None
-                                        or rows * k <= rule.max_rows_times_k)
+    if ((rule.op, rule.arch, rule.operands) == (op, arch, operands) and rule.tp in (tp, "*")
+        and rule.device in (kind, "*")):
+      return (rows >= rule.min_rows
+              and (rule.max_rows is None or rows <= rule.max_rows)
+              and (rule.max_rows_times_k is None or rows * k <= rule.max_rows_times_k))
   return False

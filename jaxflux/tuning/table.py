@@ -34,6 +34,9 @@ class AutoRule:
   max_rows_times_k: int | None    # rows * K of the per-device GEMM, None: no cap
   evidence: tuple
   why: str
+  operands: str = "16-bit"        # "16-bit" or "fp8": the calls the rule speaks for
+  max_rows: int | None = None     # None: no cap
+  device: str = "*"               # a shipped device table's name (tuning/device.py), or "*"
 
 
 _AG = "all_gather_matmul"
@@ -168,14 +171,17 @@ ENTRIES = (
           "at 2048 (up to 4%). Chunked push as below 2048 rows."),
 )
 
-# GEMM+AllReduce has no rule, so impl="auto" takes XLA's psum for it: no two-GPU timing of the
-# fused op against XLA exists yet to say where it wins. No op has a rule at tp=1 either: there
-# the op is its GEMM alone, and the GEMM-only tables put it behind cuBLAS on average (decode
+# GEMM+AllReduce has no rule at tp >= 2, so impl="auto" takes XLA's psum for it: no two-GPU
+# timing of the fused op against XLA exists yet to say where it wins. At tp=1 the op is its GEMM
+# alone. With 16-bit operands no op has a rule there: the GEMM-only tables put it behind cuBLAS
+# on average (decode
 # GEMM at M <= 128: 1.10x on H200, h200_gemm_decode.json; 1.079x on H100, h100_gemm_decode.json,
 # 1.04-1.25x at one row; persistent GEMM 1.075x above, h200_gemm_all_reduce.json). In the
 # generation example on one H100 the fused layers decode a little ahead of Flax's (0.96-0.98x
 # at batch 1, h100_generate_llama70b_8l_batch1.json; 0.905x at batch 16,
 # h100_generate_llama70b_8l.json), but no table says which rows the kernel wins, so no rule yet.
+# With FP8 operands the decode rows of an H100 have one (below): every dense op at tp=1 runs the
+# same GEMM (GEMM+AllReduce's, tuned by rows), so the rule covers all three.
 #
 # The grouped and MoE ops: their XLA path multiplies with lax.ragged_dot, which the grouped
 # table puts 7-72x behind the kernel on one H200. For the MoE ops at tp >= 2 no two-GPU timing exists, but
@@ -187,6 +193,13 @@ _MOE_WHY = ("Its XLA path is ragged_dot per segment, which on one H200 ran 6.9-7
             "the grouped GEMM kernel (grouped table) and made the MoE layer's step 5.3-33x "
             "slower; no two-GPU timing of the fused communication exists, and it would have to "
             "be several times slower than NCCL's to lose.")
+_FP8_DECODE_H100 = ("h100_fp8_gemm_decode.json",)
+_FP8_DECODE_WHY = (
+    "On one H100 the FP8 decode GEMM (e4m3, row-wise scales, fast accumulation) took 0.926x the "
+    "time of XLA's FP8 dot on average over the 11 rows measured (llama70b-out M 1-128 and "
+    "llama70b-fc2 M 1-64, per-device shapes at tp=2), 0.85-0.98x on 10 of them and 1.047x on "
+    "llama70b-out M=16. The other 13 decode rows (GPT-3's shapes, llama70b-fc2 M=128) are not "
+    "measured; the H200 has no FP8 decode table, so it keeps XLA.")
 AUTO_RULES = (
     AutoRule(_AG, "sm90", 2, 2048, None, ("h200x2_ag_gemm_tp2.json",),
              "On 2xH200 the fused kernel was at least level with XLA on every benchmark shape "
@@ -196,6 +209,8 @@ AUTO_RULES = (
              "On 2xH200 every row from 2048 tokens won by >= 1.05x, except where rows * K_local "
              "passes 2**27: there the hidden communication is a few percent of the GEMM and the "
              "kernel measured 0.99-1.04x XLA (gpt3-fc2 from 8192 tokens, llama70b-fc2 at 16384)."),
+    *(AutoRule(op, "sm90", 1, 1, None, _FP8_DECODE_H100, _FP8_DECODE_WHY, operands="fp8",
+               max_rows=128, device="h100_sxm") for op in (_AG, _RS, _AR)),
     AutoRule("grouped_matmul", "sm90", 1, 0, None, _GROUPED,
              "On one H200 the grouped GEMM kernel was 7.2-72x faster than lax.ragged_dot, XLA's "
              "path, on every row of the grouped table (four MoE layers, 16,384 routed rows, even "
