@@ -157,10 +157,12 @@ bool EnsureWorkspace(const std::vector<int>& ordinals, int64_t workspace_class,
       return false;
     }
   }
-  const size_t bytes = size_t{1} << workspace_class;
   auto& arenas = g_arenas[workspace_class];
-  for (int ordinal : ordinals) {
-    if (arenas[SlotOfOrdinal(ordinal)].load() != nullptr) continue;
+  const bool all_there = std::all_of(ordinals.begin(), ordinals.end(), [&](int ordinal) {
+    return arenas[SlotOfOrdinal(ordinal)].load() != nullptr;
+  });
+  if (all_there) return true;
+  for (int ordinal : ordinals) {  // every pair, in case a GPU joins an existing class
     for (int peer : ordinals) {
       cudaError_t err = EnablePeer(ordinal, peer);
       if (err != cudaSuccess) {
@@ -170,6 +172,10 @@ bool EnsureWorkspace(const std::vector<int>& ordinals, int64_t workspace_class,
         return false;
       }
     }
+  }
+  const size_t bytes = size_t{1} << workspace_class;
+  for (int ordinal : ordinals) {
+    if (arenas[SlotOfOrdinal(ordinal)].load() != nullptr) continue;
     DeviceGuard guard(ordinal);
     void* ptr = nullptr;
     cudaError_t err = guard.status() != cudaSuccess ? guard.status() : cudaMalloc(&ptr, bytes);
