@@ -46,7 +46,7 @@ def plan(op: str, x, w, axis_name, *, impl: str, preferred_element_type, precisi
   ()."""
   refuse_forward_mode(op, x, w, x_scale, w_scale)
   check_impl(op, impl)
-  transpose_w = _static_bool(op, "transpose_w", transpose_w)
+  transpose_w = static_bool(op, "transpose_w", transpose_w)
   return_gathered = bool(return_gathered)
   check_operands(op, x, w, transpose_w=transpose_w)
   tp = axis_size(op, axis_name)
@@ -55,7 +55,7 @@ def plan(op: str, x, w, axis_name, *, impl: str, preferred_element_type, precisi
         f"{op}: the token axis of x (axis -2, size {x.shape[-2]}, x.shape={x.shape}) must divide "
         f"by the size of mesh axis {axis_name!r} (tp={tp}) to be scattered. Pad the tokens to a "
         f"multiple of {tp} or use a tp that divides {x.shape[-2]}.")
-  fp8 = _fp8_operands(op, x, w, x_scale, w_scale)
+  fp8 = fp8_operands(op, x, w, x_scale, w_scale)
   scales = _fp8_scales(op, x, w, x_scale, w_scale, transpose_w) if fp8 else ()
   out_dtype = _out_dtype(op, x, w, preferred_element_type, fp8)
   kernel = _dispatch.resolve(op, impl, x, w, out_dtype=out_dtype, tp=tp, axis_name=axis_name,
@@ -110,7 +110,7 @@ def check_impl(op: str, impl: str) -> None:
                      "pure-JAX reference.")
 
 
-def _static_bool(op: str, name: str, value) -> bool:
+def static_bool(op: str, name: str, value) -> bool:
   """A static flag (it picks the traced program): a Python bool, not an array."""
   if not isinstance(value, (bool, np.bool_)):
     raise TypeError(f"{op}: {name} must be a Python bool (a static choice of layout or outputs); "
@@ -168,7 +168,7 @@ def _out_dtype(op: str, x, w, preferred_element_type, fp8: bool):
 
 # --- FP8 operands ----------------------------------------------------------------------------
 
-def _fp8_operands(op: str, x, w, x_scale, w_scale) -> bool:
+def fp8_operands(op: str, x, w, x_scale, w_scale) -> bool:
   """True when x and w are FP8 (then the scales are checked by `_fp8_scales`); False for a call
   without FP8 and without scales. Raises TypeError for a 1-byte float other than the two FP8
   formats, for one FP8 operand without the other, and for a scale without FP8 operands."""
@@ -200,14 +200,14 @@ def _fp8_scales(op: str, x, w, x_scale, w_scale, transpose_w: bool) -> tuple:
   row-wise scales. A per-tensor x_scale is broadcast over x's rows, so that all_gather_matmul
   gathers it with x and each rank's own scale stays with its shard."""
   n = w.shape[0] if transpose_w else w.shape[1]
-  rows = _fp8_scale(op, "x_scale", "x", x, x_scale, tuple(x.shape[:-1]) + (1,),
+  rows = fp8_scale(op, "x_scale", "x", x, x_scale, tuple(x.shape[:-1]) + (1,),
                     "x.shape[:-1] + (1,), one per row of x")
-  cols = _fp8_scale(op, "w_scale", "w", w, w_scale, (1, n),
+  cols = fp8_scale(op, "w_scale", "w", w, w_scale, (1, n),
                     f"(1, N), one per output column (N = w.shape[{0 if transpose_w else 1}])")
   return rows, cols
 
 
-def _fp8_scale(op: str, name: str, operand: str, a, scale, per_row: tuple, per_row_what: str):
+def fp8_scale(op: str, name: str, operand: str, a, scale, per_row: tuple, per_row_what: str):
   accepted = f"() or (1,) (one scale for {operand}) or {per_row} = {per_row_what}"
   if scale is None:
     raise TypeError(

@@ -79,8 +79,8 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", preferred_element_t
     y [M, N] in preferred_element_type; rows past sum(group_sizes) are zeros.
   """
   _plan.check_impl(_OP, impl)
-  transpose_w = _plan._static_bool(_OP, "transpose_w", transpose_w)
-  if _plan._fp8_operands(_OP, x, w, x_scale, w_scale):
+  transpose_w = _plan.static_bool(_OP, "transpose_w", transpose_w)
+  if _plan.fp8_operands(_OP, x, w, x_scale, w_scale):
     return _fp8_call(x, w, group_sizes, x_scale, w_scale, impl=impl, transpose_w=transpose_w,
                      preferred_element_type=preferred_element_type, precision=precision)
   group_sizes = _check_operands(x, w, group_sizes, transpose_w)

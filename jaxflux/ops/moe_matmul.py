@@ -94,7 +94,7 @@ def all_gather_grouped_matmul(x, w, routing: MoeRouting, *, axis_name: str, impl
   """
   _plan.refuse_forward_mode(_AG_OP, x, w)
   _plan.check_impl(_AG_OP, impl)
-  transpose_w = _plan._static_bool(_AG_OP, "transpose_w", transpose_w)
+  transpose_w = _plan.static_bool(_AG_OP, "transpose_w", transpose_w)
   tp = _plan.axis_size(_AG_OP, axis_name)
   _check_operands(_AG_OP, "x", x, w, transpose_w)
   _check_routing(_AG_OP, routing, tp, w)
@@ -136,7 +136,7 @@ def grouped_matmul_reduce_scatter(h, w, routing: MoeRouting, weights, *, axis_na
   """
   _plan.refuse_forward_mode(_RS_OP, h, w, weights)
   _plan.check_impl(_RS_OP, impl)
-  transpose_w = _plan._static_bool(_RS_OP, "transpose_w", transpose_w)
+  transpose_w = _plan.static_bool(_RS_OP, "transpose_w", transpose_w)
   tp = _plan.axis_size(_RS_OP, axis_name)
   _check_operands(_RS_OP, "h", h, w, transpose_w)
   _check_routing(_RS_OP, routing, tp, w)

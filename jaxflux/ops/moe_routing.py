@@ -83,7 +83,7 @@ def moe_routing(expert_ids, num_experts: int, axis_name: str, *, gathered: bool 
     MoeRouting(group_sizes [tp, G], pair_index [tp, s], row_index [m, topk],
     expert_order [tp*s]), int32, s = m*topk (module docstring).
   """
-  gathered = _plan._static_bool(_OP, "gathered", gathered)
+  gathered = _plan.static_bool(_OP, "gathered", gathered)
   if impl not in ("xla", "fused"):
     raise ValueError(f"{_OP}: impl={impl!r} is not one of ('xla', 'fused'): how the expert ids "
                      "are gathered, lax.all_gather or jaxflux's copy-engine all-gather.")
