@@ -36,9 +36,10 @@
 #           them by output name (e.g. TABLES=h100_fp8_gemm).
 #   generate  the generation example at the llama70b-8l preset (batch 16, bfloat16), jaxflux.Dense
 #           against flax.linen.Dense with each decode step's GPU time split by the profiler:
-#           --impl fused, --impl auto, fused at batch 1, fused with --fp8 (GENERATE_RUNS picks;
-#           each as <gpu>_generate_<run>.json; the FP8 run adds a calibration pass and a third
-#           model: give it a call of its own)
+#           --impl fused, --impl auto, fused at batch 1, fused with --fp8 (GENERATE_RUNS picks:
+#           fused auto fused_b1 fp8, or fp8_auto, auto with --fp8; each as
+#           <gpu>_generate_<run>.json; an FP8 run adds a calibration pass and a third model: give
+#           it a call of its own)
 #   train   the training example (llama70b-8l preset, $TRAIN_STEPS steps, default 60) in modes
 #           jaxflux, xla and windowed; needs two GPUs
 #   wheel   build once, install everywhere: `pip wheel` here (into OUTDIR/wheel), then a fresh
@@ -198,7 +199,9 @@ if stage generate; then
     case $run in
       fused) flags=(--impl fused) ;;  auto) flags=(--impl auto) ;;
       fused_b1) flags=(--impl fused --batch 1) ;;  fp8) flags=(--impl fused --fp8) ;;
-      *) echo "generate: unknown run $run (fused, auto, fused_b1, fp8)"; status=1; continue ;;
+      fp8_auto) flags=(--impl auto --fp8) ;;
+      *) echo "generate: unknown run $run (fused, auto, fused_b1, fp8, fp8_auto)"; status=1
+         continue ;;
     esac
     timeout "${GENERATE_TIMEOUT:-540}" python3 examples/generate.py --preset llama70b-8l \
       --dtype bfloat16 --new-tokens 32 --profile 8 "${flags[@]}" \
