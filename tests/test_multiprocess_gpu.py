@@ -167,7 +167,8 @@ def test_a_fused_program_loads_from_the_compilation_cache_in_new_processes(one_g
   first, second = ([re.findall(r"^(CACHE HITS \d+|DIGEST .+)$", out, re.M) for _, out in run]
                    for run in runs)
   for rank, (a, b) in enumerate(zip(first, second)):
-    assert a[0] == "CACHE HITS 0" and b[0] == "CACHE HITS 1", (rank, a, b)
+    # (A first-group rank that compiles after its peer wrote the entry may hit it already.)
+    assert b[0] == "CACHE HITS 1", (rank, a, b)
     assert len(a) == 2 and a[1] == b[1], (rank, a, b)  # the same bits from the loaded program
 
 
