@@ -81,6 +81,9 @@ def test_describe_says_which_tables_and_why(tuning_dir):
   text = tuning.describe(H100)
   assert "NVIDIA H100 80GB HBM3" in text and "shipped table" in text and "h100_sxm.json" in text
   assert f"no user table at {tuning_dir / 'nvidia_h100_80gb_hbm3.json'}" in text
+  assert ("impl='auto' also takes matmul_all_reduce at tp=1 with fp8 operands, 1-128 rows, on "
+          "this kind only (h100_fp8_gemm_decode.json)") in text
+  assert "impl='auto' also" not in tuning.describe(H200)
   text = tuning.describe(UNKNOWN)
   assert "no shipped table for 'NVIDIA H800'" in text and "sm90 defaults" in text
   assert "no GPU" in tuning.describe(None)

@@ -52,8 +52,15 @@ def active_tables(device=LOCAL) -> tables.Active:
 
 
 def describe(device=LOCAL) -> str:
-  """Which tables the kernel choices on `device` come from, and why."""
-  return active_tables(device).describe()
+  """Which tables the kernel choices on `device` come from, and why; and the impl="auto" rules
+  that hold on this kind of GPU alone."""
+  resolved = resolve_device(device)
+  kind = resolved.shipped_table if resolved is not None else None
+  own = [r for r in AUTO_RULES if r.device != "*" and r.device == kind]
+  lines = [f"  impl='auto' also takes {r.op} at tp={r.tp} with {r.operands} operands, "
+           f"{r.min_rows}-{r.max_rows if r.max_rows is not None else 'any'} rows, on this kind "
+           f"only ({', '.join(r.evidence)})" for r in own]
+  return "\n".join([active_tables(device).describe(), *lines])
 
 
 def candidates(op: str) -> tuple[dict, ...]:
