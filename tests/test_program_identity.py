@@ -25,8 +25,6 @@ GROUP_TARGETS = {"jaxflux_all_gather_matmul", "jaxflux_matmul_reduce_scatter",
 @pytest.fixture
 def classes(fake_hopper, monkeypatch):
   """fake_hopper, with each fused call's workspace class the runtime's own (no GPU needed)."""
-  if not hasattr(_runtime._ext, "workspace_classes"):
-    pytest.skip("the extension module predates workspace classes; reinstall jaxflux")
   monkeypatch.setattr(_runtime, "ensure_workspace", _runtime.workspace_class)
   monkeypatch.setattr(_runtime._settings, "workspace_bytes", None)
 

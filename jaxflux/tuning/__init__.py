@@ -51,12 +51,18 @@ def active_tables(device=LOCAL) -> tables.Active:
   return tables.active(resolve_device(device))
 
 
+def _kind(device) -> str | None:
+  """The shipped device table's name for `device`'s kind of GPU (the key of a rule for one kind),
+  or None."""
+  resolved = resolve_device(device)
+  return resolved.shipped_table if resolved is not None else None
+
+
 def describe(device=LOCAL) -> str:
   """Which tables the kernel choices on `device` come from, and why; and the impl="auto" rules
   that hold on this kind of GPU alone."""
-  resolved = resolve_device(device)
-  kind = resolved.shipped_table if resolved is not None else None
-  own = [r for r in AUTO_RULES if r.device != "*" and r.device == kind]
+  kind = _kind(device)
+  own = [r for r in AUTO_RULES if r.device == kind]  # never "*": no kind is named "*"
   lines = [f"  impl='auto' also takes {r.op} at tp={r.tp} with {r.operands} operands, "
            f"{r.min_rows}-{r.max_rows if r.max_rows is not None else 'any'} rows, on this kind "
            f"only ({', '.join(r.evidence)})" for r in own]
@@ -85,12 +91,15 @@ def auto_prefers_fused(op: str, tp: int, rows: int, k: int, arch: str = ARCH, *,
   16-bit ones, on `device` (a Device, None for no GPU kind in particular, LOCAL for this
   process's GPU). A rule for one kind of GPU holds for that kind only. No rule: XLA."""
   operands = "fp8" if fp8 else "16-bit"
-  resolved = resolve_device(device)
-  kind = resolved.shipped_table if resolved is not None else None
+  kind = None  # asked of the device only when a rule for one kind of GPU is in question
   for rule in AUTO_RULES:
-    if ((rule.op, rule.arch, rule.operands) == (op, arch, operands) and rule.tp in (tp, "*")
-        and rule.device in (kind, "*")):
-      return (rows >= rule.min_rows
-              and (rule.max_rows is None or rows <= rule.max_rows)
-              and (rule.max_rows_times_k is None or rows * k <= rule.max_rows_times_k))
+    if (rule.op, rule.arch, rule.operands) != (op, arch, operands) or rule.tp not in (tp, "*"):
+      continue
+    if rule.device != "*":
+      kind = _kind(device) if kind is None else kind
+      if rule.device != kind:
+        continue
+    return (rows >= rule.min_rows
+            and (rule.max_rows is None or rows <= rule.max_rows)
+            and (rule.max_rows_times_k is None or rows * k <= rule.max_rows_times_k))
   return False
