@@ -39,7 +39,9 @@
 #           --impl fused, --impl auto, fused at batch 1, fused with --fp8 (GENERATE_RUNS picks:
 #           fused auto fused_b1 fp8, or fp8_auto, auto with --fp8; each as
 #           <gpu>_generate_<run>.json; an FP8 run adds a calibration pass and a third model: give
-#           it a call of its own)
+#           it a call of its own). XLA's GEMM autotuning results go to OUTDIR/xla_autotune;
+#           XLA_AUTOTUNE_CACHE=DIR (such a folder from an earlier call, carried) starts from
+#           them, so a later call need not autotune the same FP8 shapes again
 #   train   the training example (llama70b-8l preset, $TRAIN_STEPS steps, default 60) in modes
 #           jaxflux, xla and windowed; needs two GPUs
 #   wheel   build once, install everywhere: `pip wheel` here (into OUTDIR/wheel), then a fresh
@@ -195,6 +197,9 @@ fi
 if stage generate; then
   # The generation example at the llama70b-8l preset against flax.linen.Dense, each decode step's
   # GPU time split by the profiler (GEMM kernels, other kernels, idle); GENERATE_RUNS picks runs.
+  autotune="$OUTDIR/xla_autotune"
+  mkdir -p "$autotune"
+  if [[ -n "${XLA_AUTOTUNE_CACHE:-}" ]]; then cp -r "$XLA_AUTOTUNE_CACHE"/. "$autotune"/; fi
   for run in ${GENERATE_RUNS:-fused auto fused_b1 fp8}; do
     case $run in
       fused) flags=(--impl fused) ;;  auto) flags=(--impl auto) ;;
@@ -203,7 +208,8 @@ if stage generate; then
       *) echo "generate: unknown run $run (fused, auto, fused_b1, fp8, fp8_auto)"; status=1
          continue ;;
     esac
-    timeout "${GENERATE_TIMEOUT:-540}" python3 examples/generate.py --preset llama70b-8l \
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=$autotune" \
+      timeout "${GENERATE_TIMEOUT:-540}" python3 examples/generate.py --preset llama70b-8l \
       --dtype bfloat16 --new-tokens 32 --profile 8 "${flags[@]}" \
       --out "$OUTDIR/${GPU_NAME}_generate_$run.json" > "$OUTDIR/generate_$run.log" 2>&1 || status=1
     grep -E "decode|profile|outside" "$OUTDIR/generate_$run.log" | cut -c1-220

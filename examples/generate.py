@@ -220,7 +220,12 @@ def calibrated_fp8(args, mesh, params, prompts) -> dict:
     variables = model.init(jax.random.key(0), prompts, cache, 0)  # jit drops the unused params
     return jax.grad(logit_sum)({k: v for k, v in variables.items() if k != "params"})
 
-  return jax.jit(calibrate)(params, prompts, empty_cache(args, mesh, args.prompt_len))
+  cache = empty_cache(args, mesh, args.prompt_len)
+  # Only the amaxes of this one pass are kept, so XLA's GEMM autotuning (on GPUs up to ~35 s
+  # per FP8 shape, forward and backward at batch x prompt rows) would cost more than the pass.
+  compiled = jax.jit(calibrate).lower(params, prompts, cache).compile(
+      {"xla_gpu_autotune_level": 0})
+  return compiled(params, prompts, cache)
 
 
 def empty_cache(args, mesh, length: int, dtype: str | None = None) -> Cache:
@@ -259,47 +264,99 @@ def compiled_steps(model, variables, prompts, cache):
   return out
 
 
-def generate(model, variables, prompts, cache, new_tokens: int, profile_steps: int = 0) -> dict:
-  """Prefill, then new_tokens - 1 decode steps, each timed until its token is ready (the
-  median is the per-token latency; the first step's one-time costs fall outside it). Then,
-  with profile_steps, that many more decode steps (on the timed steps' positions again: the
-  same work) under JAX's profiler: where their GPU time went (kernel_profile.breakdown)."""
-  prefill, prefill_compile_s, decode, decode_compile_s = compiled_steps(model, variables,
-                                                                        prompts, cache)
-  batch, length = prompts.shape
-  positions = [jnp.int32(length + i) for i in range(new_tokens - 1)]
-  # The first run of a program pays one-time costs (allocations, thread start-up): time the
-  # second. Both write the same cache slots.
-  for _ in range(2):
+# Timed prefills per model (the median is reported): one prefill is a single call, so a stray
+# stall would otherwise be the whole figure.
+PREFILL_ROUNDS = 3
+
+
+class Generation:
+  """One model's generation: its compiled prefill and decode step, the state a decode step
+  carries (last token, cache) and what each timed call took. Every call is waited for until
+  its token is ready, so each time is that call's alone. `label` names it in the log."""
+
+  def __init__(self, label: str, model, variables, prompts, cache, new_tokens: int):
+    self.label = label
+    self.prefill_fn, prefill_s, self.decode_fn, decode_s = compiled_steps(model, variables,
+                                                                          prompts, cache)
+    self.compile_s = dict(prefill=prefill_s, decode_step=decode_s)
+    self.variables, self.prompts, self.cache = variables, prompts, cache
+    self.positions = [jnp.int32(prompts.shape[1] + i) for i in range(new_tokens - 1)]
+    self.prefill_s, self.step_s = [], []
+    self.tokens, self.logits = [], []
+
+  def prefill(self) -> float:
+    """Runs the prefill (every run writes the same cache slots); the decode steps start from
+    the last one's token. Returns its seconds."""
     start = time.perf_counter()
-    token, logits, cache = prefill(variables, prompts, cache, jnp.int32(0))
+    token, logits, self.cache = self.prefill_fn(self.variables, self.prompts, self.cache,
+                                                jnp.int32(0))
     token.block_until_ready()
-    prefill_s = time.perf_counter() - start
-  tokens, all_logits, step_s = [token], [logits], []
-  for pos in positions:
+    self.tokens, self.logits = [token], [logits]
+    return time.perf_counter() - start
+
+  def step(self, i: int) -> float:
+    """Decode step i (the token at position prompt_len + i). Returns its seconds."""
     start = time.perf_counter()
-    token, logits, cache = decode(variables, token, cache, pos)
+    token, logits, self.cache = self.decode_fn(self.variables, self.tokens[-1], self.cache,
+                                               self.positions[i])
     token.block_until_ready()
-    step_s.append(time.perf_counter() - start)
-    tokens.append(token)
-    all_logits.append(logits)
-  median = float(np.median(step_s))
-  profile = None
-  if profile_steps:
-    state = dict(token=token, cache=cache, i=0)
+    self.tokens.append(token)
+    self.logits.append(logits)
+    return time.perf_counter() - start
+
+  def profile(self, steps: int) -> dict | None:
+    """That many more decode steps (on the timed steps' positions again: the same work) under
+    JAX's profiler: where their GPU time went (kernel_profile.breakdown). The generated tokens
+    and logits stay those of the timed steps."""
+    state = dict(token=self.tokens[-1], i=0)
 
     def step():  # the cache is donated: each step takes the last one's
-      pos = positions[state["i"] % len(positions)]
-      state["token"], _, state["cache"] = decode(variables, state["token"], state["cache"], pos)
+      pos = self.positions[state["i"] % len(self.positions)]
+      state["token"], _, self.cache = self.decode_fn(self.variables, state["token"], self.cache,
+                                                     pos)
       state["i"] += 1
       return state["token"]
-    profile = kernel_profile.profile(step, profile_steps)
-  return dict(tokens=np.stack(jax.device_get(tokens), 1),
-              logits=np.stack(jax.device_get(all_logits), 1),
-              compile_s=dict(prefill=prefill_compile_s, decode_step=decode_compile_s),
-              prefill_ms=1e3 * prefill_s, prefill_tokens_per_s=batch * length / prefill_s,
-              step_ms=[1e3 * s for s in step_s], step_ms_median=1e3 * median,
-              tokens_per_s=batch / median, profile=profile)
+    return kernel_profile.profile(step, steps)
+
+  def result(self, profile: dict | None = None) -> dict:
+    batch, length = self.prompts.shape
+    prefill, median = float(np.median(self.prefill_s)), float(np.median(self.step_s))
+    return dict(tokens=np.stack(jax.device_get(self.tokens), 1),
+                logits=np.stack(jax.device_get(self.logits), 1), compile_s=self.compile_s,
+                prefill_ms=1e3 * prefill, prefill_ms_rounds=[1e3 * s for s in self.prefill_s],
+                prefill_tokens_per_s=batch * length / prefill,
+                step_ms=[1e3 * s for s in self.step_s], step_ms_median=1e3 * median,
+                tokens_per_s=batch / median, profile=profile)
+
+
+def in_turns(items: list, turn: int) -> list:
+  """items in the order of turn `turn`: each turn starts one further along, and every len(items)
+  turns the order reverses, so over 2 * len(items) turns each item runs first and right after
+  each of the others equally often."""
+  n = len(items)
+  order = items if (turn // n) % 2 == 0 else items[::-1]
+  k = turn % n
+  return order[k:] + order[:k]
+
+
+def generate(generations: dict[str, Generation], profile_steps: int = 0) -> dict[str, dict]:
+  """Times the models against each other: a prefill of each (untimed: a program's first run
+  pays one-time costs, allocations and thread start-up), then PREFILL_ROUNDS timed prefills and
+  the new_tokens - 1 decode steps, the models taking turns in every round, so whatever drifts
+  during a run (clocks, the host's caches, other work on the machine) falls on all of them
+  alike. The median decode step is the per-token latency (the first step's one-time costs fall
+  outside it). Then, with profile_steps, each model's profile (Generation.profile)."""
+  gens = list(generations.values())
+  for g in gens:
+    g.prefill()
+  for r in range(PREFILL_ROUNDS):
+    for g in in_turns(gens, r):
+      g.prefill_s.append(g.prefill())
+  for i in range(len(gens[0].positions)):
+    for g in in_turns(gens, i):
+      g.step_s.append(g.step(i))
+  return {name: g.result(g.profile(profile_steps) if profile_steps else None)
+          for name, g in generations.items()}
 
 
 def compare(ours: dict, ref: dict) -> dict:
@@ -325,14 +382,28 @@ def distance(run_: dict, ref: dict) -> dict:
               leading_tokens_agree=int(agree.min()), mean_leading_tokens_agree=float(agree.mean()))
 
 
-def run(label: str, args, mesh, dense, variables, prompts, log, dtype: str | None = None,
-        moe_impl: str = "xla") -> dict:
+def prepare(label: str, args, mesh, dense, variables, prompts, log, dtype: str | None = None,
+            moe_impl: str = "xla") -> Generation:
+  """A model on `dense` layers with its own cache, compiled (and the compile logged)."""
   model = build_decoder(args, dense, dtype, moe_impl)
   cache = empty_cache(args, mesh, args.prompt_len + args.new_tokens, dtype)
-  r = generate(model, variables, prompts, cache, args.new_tokens, args.profile)
-  log(f"[{label}] compile: prefill {r['compile_s']['prefill']:.2f} s, decode step "
-      f"{r['compile_s']['decode_step']:.2f} s; prefill {r['prefill_ms']:.2f} ms "
-      f"({r['prefill_tokens_per_s']:,.0f} tokens/s); decode {r['step_ms_median']:.3f} ms/token "
+  g = Generation(label, model, variables, prompts, cache, args.new_tokens)
+  log(f"[{label}] compile: prefill {g.compile_s['prefill']:.2f} s, decode step "
+      f"{g.compile_s['decode_step']:.2f} s")
+  return g
+
+
+def run(generations: dict[str, Generation], args, log) -> dict[str, dict]:
+  """generate() over the models, each one's timings logged."""
+  results = generate(generations, args.profile)
+  for name, g in generations.items():
+    report(g.label, results[name], args, log)
+  return results
+
+
+def report(label: str, r: dict, args, log) -> None:
+  log(f"[{label}] prefill {r['prefill_ms']:.2f} ms (median of {len(r['prefill_ms_rounds'])}, "
+      f"{r['prefill_tokens_per_s']:,.0f} tokens/s); decode {r['step_ms_median']:.3f} ms/token "
       f"(median of {len(r['step_ms'])}), {r['tokens_per_s']:,.0f} tokens/s")
   if args.profile:
     p = r["profile"]
@@ -347,7 +418,6 @@ def run(label: str, args, mesh, dense, variables, prompts, log, dtype: str | Non
           f"{p['gemm_ms']:.3f} ms ({p['gemm_calls']:.0f} calls), other kernels and copies "
           f"{p['other_ms']:.3f} ms ({p['other_calls']:.0f}), GPU idle {p['idle_ms']:.3f} ms; "
           f"outside the GEMMs {p['outside_gemm_ms']:.3f} of {r['step_ms_median']:.3f} ms")
-  return r
 
 
 PRESETS = {
@@ -475,21 +545,28 @@ def run_example(args, argv: Sequence[str] | None) -> dict:
       # First, while the float32 params are the only weights on the devices. On GPUs float32
       # matmuls default to TF32: the reference asks for full float32.
       with jax.default_matmul_precision("float32"):
-        reference = run("flax, float32 reference", args, mesh, train.flax_dense,
-                        {"params": params}, prompts, log, dtype="float32")
+        reference = prepare("flax, float32 reference", args, mesh, train.flax_dense,
+                            {"params": params}, prompts, log, dtype="float32")
+        reference = run({"reference": reference}, args, log)["reference"]
       served = serving_params(params, args.dtype)
       params = jax.device_get(params)  # the devices keep only the served copy
     else:
       served = params
-    fp8 = calibrated_fp8(args, mesh, served, prompts) if args.fp8 else {}
+    fp8 = {}
+    if args.fp8:
+      start = time.perf_counter()
+      fp8 = calibrated_fp8(args, mesh, served, prompts)
+      log(f"FP8 calibration pass: {time.perf_counter() - start:.2f} s, compile included")
     recipe = train.with_fp8 if args.fp8 else (lambda dense: dense)
     variables = {"params": served, **fp8}
-    runs = {"jaxflux": run("jaxflux", args, mesh, recipe(jaxflux_dense(args.impl)), variables,
-                           prompts, log, moe_impl=args.impl),
-            "flax": run("flax", args, mesh, recipe(train.flax_dense), variables, prompts, log)}
+    # Every model is compiled first, then timed with the others in turns (generate()).
+    models = {"jaxflux": ("jaxflux", recipe(jaxflux_dense(args.impl)), variables, args.impl),
+              "flax": ("flax", recipe(train.flax_dense), variables, "xla")}
     if args.fp8:  # what FP8 is for: the decode speed against the same layers without it
-      runs["jaxflux_no_fp8"] = run(f"jaxflux, {args.dtype} without FP8", args, mesh,
-                                   jaxflux_dense(args.impl), {"params": served}, prompts, log)
+      models["jaxflux_no_fp8"] = (f"jaxflux, {args.dtype} without FP8", jaxflux_dense(args.impl),
+                                  {"params": served}, args.impl)
+    runs = run({name: prepare(label, args, mesh, dense, v, prompts, log, moe_impl=moe_impl)
+                for name, (label, dense, v, moe_impl) in models.items()}, args, log)
     reference = reference or runs["flax"]
   ours, ref = runs["jaxflux"], runs["flax"]
   match = compare(ours, ref)

@@ -9,6 +9,7 @@ uses jaxflux's public API only. The GPU test runs it on the GPUs.
 """
 import argparse
 import ast
+import collections
 import json
 import math
 import os
@@ -120,6 +121,8 @@ def test_generates_as_flax_and_as_without_cache(gen, tmp_path, extra, dp, tp):
     assert len(run["step_ms"]) == 4 and min(run["step_ms"]) > 0
     assert run["tokens_per_s"] == pytest.approx(4 / run["step_ms_median"] * 1e3)
     assert run["prefill_ms"] > 0 and run["prefill_tokens_per_s"] > 0
+    assert len(run["prefill_ms_rounds"]) == gen.PREFILL_ROUNDS
+    assert run["prefill_ms"] == pytest.approx(float(np.median(run["prefill_ms_rounds"])))
     assert set(run["compile_s"]) == {"prefill", "decode_step"}
     assert all(s > 0 for s in run["compile_s"].values())
 
@@ -133,6 +136,60 @@ def test_generates_as_flax_and_as_without_cache(gen, tmp_path, extra, dp, tp):
   assert record["tokens"] == result["tokens"]
   assert record["jaxflux"]["step_ms_median"] == result["jaxflux"]["step_ms_median"]
   assert record["vs_float32"] == vs
+
+
+class RecordedGeneration:
+  """A stand-in for generate.Generation that logs each call and takes the seconds it is told."""
+
+  def __init__(self, name, log, steps, seconds):
+    self.name, self.log, self.seconds = name, log, seconds
+    self.positions = list(range(steps))
+    self.prefill_s, self.step_s = [], []
+
+  def prefill(self):
+    self.log.append((self.name, "prefill"))
+    return self.seconds
+
+  def step(self, i):
+    self.log.append((self.name, i))
+    return self.seconds + i
+
+  def profile(self, steps):
+    self.log.append((self.name, "profile"))
+    return {"steps": steps}
+
+  def result(self, profile=None):
+    return dict(prefill_s=self.prefill_s, step_s=self.step_s, profile=profile)
+
+
+def test_models_take_turns_in_every_timed_round(gen):
+  """generate(): one untimed prefill of each model, then every timed round (PREFILL_ROUNDS
+  prefills, one per decode step) runs each model once, the first turn moving on each round, so
+  none is always timed first or always right after the same other; profiles come last. Each
+  model's timings are its own calls' seconds."""
+  names, steps, rounds = ("a", "b", "c"), 6, gen.PREFILL_ROUNDS
+  log = []
+  models = {n: RecordedGeneration(n, log, steps, seconds=10 * k) for k, n in enumerate(names)}
+  results = gen.generate(models, profile_steps=2)
+
+  assert log[:3] == [(n, "prefill") for n in names]  # untimed, in any order
+  timed = log[3:3 + 3 * (rounds + steps)]
+  turns = [timed[3 * r:3 * r + 3] for r in range(rounds + steps)]
+  for r, turn in enumerate(turns):
+    event = "prefill" if r < rounds else r - rounds
+    assert sorted(turn) == [(n, event) for n in names], turn
+  orders = [tuple(n for n, _ in turn) for turn in turns]
+  assert len({o[0] for o in orders[:rounds]}) == min(rounds, 3), orders  # prefill rounds
+  assert {o[0] for o in orders[rounds:]} == set(names), orders  # decode steps
+  # Over the decode steps every model runs right after each of the others equally often.
+  followers = collections.Counter((o[i], o[i + 1]) for o in orders[rounds:] for i in range(2))
+  assert len(followers) == 6 and set(followers.values()) == {2}, orders
+  assert sorted(log[3 + 3 * (rounds + steps):]) == [(n, "profile") for n in names]
+
+  for k, n in enumerate(names):
+    assert results[n]["prefill_s"] == [10 * k] * rounds
+    assert results[n]["step_s"] == [10 * k + i for i in range(steps)]
+    assert results[n]["profile"] == {"steps": 2}
 
 
 @pytest.mark.slow
