@@ -66,6 +66,14 @@ def workspace_class(nbytes: int) -> int:
   return c
 
 
+def group_workspace_bytes(op: str, tp: int, item_bytes: int, scale_bytes: int = 0) -> int:
+  """Bytes of symmetric workspace per GPU that a communicating call of `op` (its target's name
+  less "jaxflux_") needs in a group of tp: item_bytes is what one rank sends each peer (its
+  shard, or one partial), scale_bytes the row scales an FP8 all_gather_matmul shard carries.
+  The native module's layout (xla_ffi/ffi/workspace_layout.h), the one its handlers check."""
+  return int(_ext.group_workspace_bytes(op, tp, item_bytes, scale_bytes))
+
+
 def slot_word(host: int, slot: int) -> int:
   """The int32 naming host slot `slot` of host `host` in a rank operand (the native module's
   encoding, xla_ffi/runtime/runtime.h)."""

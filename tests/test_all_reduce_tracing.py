@@ -9,7 +9,6 @@ from jax.sharding import PartitionSpec as P
 
 import jaxflux
 from jaxflux import _runtime, tuning
-from jaxflux.ops import _group_call
 from jaxflux.ops.gemm import gemm
 import fused_calls
 from conftest import make_mesh
@@ -72,7 +71,8 @@ def test_the_call_carries_the_table_choice_and_its_workspace(workspace, tp, batc
   assert attrs["tp"] == tp and attrs["transpose_w"] == 0 and attrs["grid_sms"] == 0
   assert attrs["debug_skip_rank"] == -1 and attrs["num_groups"] == 1
   rows = (batch[0] if batch else 1) * m
-  assert workspace[-1] == 2 * tp * _group_call.slot_bytes(rows * n * 2)
+  # Two parities of tp receive slots, each one rank's bfloat16 partial, 256-byte aligned.
+  assert workspace[-1] == 2 * tp * -(-rows * n * 2 // 256) * 256
 
 
 def test_an_override_reaches_the_call(workspace):

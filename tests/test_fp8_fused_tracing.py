@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxflux
 from jaxflux import _runtime, tuning
-from jaxflux.ops import _attributes, _group_call
+from jaxflux.ops import _attributes
 from jaxflux.ops.gemm import gemm
 from conftest import make_mesh, mesh_of
 from jaxpr_util import equations
@@ -116,7 +116,8 @@ def test_all_reduce_operands_reach_the_target(workspace, x_dtype, batch, m):
   assert {a: attrs[a] for a in ("tile", "push_chunks", "swizzle", "grid_sms")} == \
       _attributes.matmul_all_reduce(choice)
   assert attrs["transpose_w"] == 1 and attrs["tp"] == tp
-  assert workspace == [2 * tp * _group_call.slot_bytes(rows * n * 2)]
+  # Two parities of tp receive slots, each one rank's bfloat16 partial, 256-byte aligned.
+  assert workspace == [2 * tp * -(-rows * n * 2 // 256) * 256]
   assert not {p for p in _primitives(jaxpr) if p.startswith("psum")}
   assert jax.eval_shape(f, x, wt, x_scale).dtype == jnp.bfloat16
 

@@ -25,8 +25,10 @@
 #include "xla_ffi/ffi/moe_gemm.h"
 #include "xla_ffi/ffi/rank_state_type.h"
 #endif
-// Plain C++: the FFI contract (attribute names, limits, slot words) is the same in both builds.
+// Plain C++: the FFI contract (attribute names, limits, slot words, workspace layouts) is
+// the same in both builds.
 #include "xla_ffi/ffi/attribute_names.h"
+#include "xla_ffi/ffi/workspace_layout.h"
 #include "xla_ffi/runtime/runtime.h"
 
 namespace nb = nanobind;
@@ -77,6 +79,21 @@ NB_MODULE(_jaxflux, m) {
   m.attr("max_ranks") = jaxflux::kMaxRanks;
   m.attr("workspace_classes") = nb::make_tuple(jaxflux::kMinWorkspaceClass,
                                                jaxflux::kMaxWorkspaceClass);
+  m.def("group_workspace_bytes",
+        [](const std::string& op, int64_t tp, int64_t item_bytes, int64_t scale_bytes) {
+          const auto layout = jaxflux::SlotLayoutOf(op);
+          if (!layout) throw nb::value_error(("no workspace layout for op " + op).c_str());
+          if (tp < 1 || item_bytes < 0 || scale_bytes < 0) {
+            throw nb::value_error("group_workspace_bytes: tp >= 1, bytes >= 0");
+          }
+          return 2 * jaxflux::HalfBytes(*layout, static_cast<size_t>(tp),
+                                        static_cast<size_t>(item_bytes),
+                                        static_cast<size_t>(scale_bytes));
+        },
+        nb::arg("op"), nb::arg("tp"), nb::arg("item_bytes"), nb::arg("scale_bytes") = 0,
+        "Bytes of symmetric workspace per GPU a communicating call of `op` needs: two "
+        "epoch-parity halves of its slot layout (workspace_layout.h). item_bytes: what one "
+        "rank sends each peer; scale_bytes: an FP8 AllGather+GEMM shard's row scales.");
   // The kernels' enum attributes by name, each in value order (attribute_names.h).
   {
     auto names = [](const auto& array) {

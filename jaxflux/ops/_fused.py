@@ -42,10 +42,9 @@ def all_gather_matmul(x, w, axis_name: str, want_gathered: bool, *, transpose_w:
   out_types = [jax.ShapeDtypeStruct(x.shape[:-2] + (tp * m, n), x.dtype)]
   if want_gathered:
     out_types.append(jax.ShapeDtypeStruct(x.shape[:-2] + (tp * m, k), x.dtype))
-  # The gathered A: two parities of tp shards each, every parity half slot-aligned.
   outs = _group_call.call(
-      "all_gather_matmul", out_types, (x, w), axis_name,
-      2 * _group_call.slot_bytes(tp * shard_bytes), debug_skip_rank=debug_skip_rank,
+      "all_gather_matmul", out_types, (x, w), axis_name, item_bytes=shard_bytes,
+      debug_skip_rank=debug_skip_rank,
       transpose_w=int(transpose_w), **_attributes.all_gather_matmul(config.choice, m))
   outs = [_common.mark_varying(o, axes) for o in outs]
   return outs[0], (outs[1] if want_gathered else None)
@@ -69,11 +68,9 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
   n = w.shape[0] if transpose_w else w.shape[1]
   batch = math.prod(x.shape[:-2])
   itemsize = jnp.dtype(x.dtype).itemsize
-  partial_bytes = batch * m * n * itemsize
-  # Two parities of [tp receive slots, tp staging slots].
   z = _group_call.call(
       "matmul_reduce_scatter", jax.ShapeDtypeStruct(x.shape[:-2] + (m, n), x.dtype), (x, w),
-      axis_name, 2 * 2 * tp * _group_call.slot_bytes(partial_bytes),
+      axis_name, item_bytes=batch * m * n * itemsize,  # one partial of this rank's rows
       debug_skip_rank=debug_skip_rank, transpose_w=int(transpose_w),
       **_attributes.matmul_reduce_scatter(config.choice))
   return _common.mark_varying(z, axes)
@@ -99,10 +96,9 @@ def matmul_all_reduce(x, w, axis_name: str, *, transpose_w: bool = False,
   n = w.shape[0] if transpose_w else w.shape[1]
   batch = math.prod(x.shape[:-2])
   itemsize = jnp.dtype(x.dtype).itemsize
-  # Two parities of tp receive slots, each holding one rank's whole partial [..., M, N].
   y = _group_call.call(
       "matmul_all_reduce", jax.ShapeDtypeStruct(x.shape[:-1] + (n,), x.dtype), (x, w),
-      axis_name, 2 * tp * _group_call.slot_bytes(batch * m * n * itemsize),
+      axis_name, item_bytes=batch * m * n * itemsize,  # one rank's whole partial [..., M, N]
       debug_skip_rank=debug_skip_rank, transpose_w=int(transpose_w),
       **_attributes.matmul_all_reduce(config.choice))
   return _common.mark_varying(y, axes)
@@ -138,10 +134,9 @@ def all_gather_matmul_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str,
   out_types = [jax.ShapeDtypeStruct(x.shape[:-2] + (tp * m, n), jnp.dtype(out_dtype))]
   if want_gathered:
     out_types.append(jax.ShapeDtypeStruct(x.shape[:-2] + (tp * m, k), x.dtype))
-  # Each parity half: the gathered A, then the gathered row scales [batch][tp][m] (float32).
-  half = _group_call.slot_bytes(tp * shard_bytes) + _group_call.slot_bytes(batch * tp * m * 4)
   outs = _group_call.call(
-      "all_gather_matmul", out_types, (x, w), axis_name, 2 * half,
+      "all_gather_matmul", out_types, (x, w), axis_name, item_bytes=shard_bytes,
+      scale_bytes=batch * m * 4,  # the shard's float32 row scales travel with it
       scales=_fp8_scales(x_scale_rows, w_scale_cols), debug_skip_rank=debug_skip_rank,
       transpose_w=1, **_attributes.all_gather_matmul(config.choice, m))
   outs = [_common.mark_varying(o, axes) for o in outs]
@@ -163,10 +158,9 @@ def matmul_reduce_scatter_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str, 
   n = w.shape[0]
   batch = math.prod(x.shape[:-2])
   out_itemsize = jnp.dtype(out_dtype).itemsize  # the partials' element
-  partial_bytes = batch * m * n * out_itemsize
   z = _group_call.call(
       "matmul_reduce_scatter", jax.ShapeDtypeStruct(x.shape[:-2] + (m, n), jnp.dtype(out_dtype)),
-      (x, w), axis_name, 2 * 2 * tp * _group_call.slot_bytes(partial_bytes),
+      (x, w), axis_name, item_bytes=batch * m * n * out_itemsize,
       scales=_fp8_scales(x_scale_rows, w_scale_cols), debug_skip_rank=debug_skip_rank,
       transpose_w=1, **_attributes.matmul_reduce_scatter(config.choice))
   return _common.mark_varying(z, axes)
@@ -188,10 +182,9 @@ def matmul_all_reduce_fp8(x, w, x_scale_rows, w_scale_cols, axis_name: str, *, o
   n = w.shape[0]
   batch = math.prod(x.shape[:-2])
   out_itemsize = jnp.dtype(out_dtype).itemsize  # the partials' element
-  # Two parities of tp receive slots, each holding one rank's whole bfloat16 partial.
   y = _group_call.call(
       "matmul_all_reduce", jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.dtype(out_dtype)),
-      (x, w), axis_name, 2 * tp * _group_call.slot_bytes(batch * m * n * out_itemsize),
+      (x, w), axis_name, item_bytes=batch * m * n * out_itemsize,  # one rank's whole partial
       scales=_fp8_scales(x_scale_rows, w_scale_cols), debug_skip_rank=debug_skip_rank,
       transpose_w=1, **_attributes.matmul_all_reduce(config.choice))
   return _common.mark_varying(y, axes)

@@ -1,6 +1,6 @@
 """The FFI call of a communicating op: this device's rank and group operand, the workspace the
-call needs (reserved at trace time), the target's name and the attributes every such handler
-takes (tp, num_groups, site, workspace_class, debug_skip_rank).
+call needs (its size the native module's, reserved at trace time), the target's name and the
+attributes every such handler takes (tp, num_groups, site, workspace_class, debug_skip_rank).
 
 Every attribute is a pure function of the call (its shapes, axis and settings), never of what
 the process traced before, so a program's HLO is the same in every process and every run: a
@@ -43,20 +43,18 @@ def rank_info(axis_name: str, op: str = "all_gather") -> tuple[jax.Array, int]:
   return info, num_groups
 
 
-def slot_bytes(nbytes: int) -> int:
-  """A workspace slot holding `nbytes`: 256-byte aligned, since peers write into it."""
-  return -(-nbytes // 256) * 256
-
-
-def call(op: str, out_types, operands: tuple, axis_name: str, workspace_bytes: int, *,
-         scales: tuple = (), debug_skip_rank: int = -1, **attrs):
+def call(op: str, out_types, operands: tuple, axis_name: str, *, item_bytes: int,
+         scale_bytes: int = 0, scales: tuple = (), debug_skip_rank: int = -1, **attrs):
   """Calls the FFI target of `op` (xla_ffi/ffi/) for this device's group on `axis_name`: makes
-  the workspace hold `workspace_bytes`, appends the rank operand to `operands`, then `scales`
-  (an FP8 call's x row and w column scales), and passes the common attributes plus `attrs`
-  (int64). debug_skip_rank: test hook; that rank never signals its peers, so they time out."""
+  the workspace hold what the op's slot layout needs for `item_bytes` (what one rank sends each
+  peer: its shard, or one partial) and `scale_bytes` (an FP8 all_gather_matmul shard's row
+  scales), appends the rank operand to `operands`, then `scales` (an FP8 call's x row and w
+  column scales), and passes the common attributes plus `attrs` (int64).
+  debug_skip_rank: test hook; that rank never signals its peers, so they time out."""
   info, num_groups = rank_info(axis_name, op)
-  common = dict(tp=lax.axis_size(axis_name), num_groups=num_groups,
-                workspace_class=_runtime.ensure_workspace(workspace_bytes),
+  tp = lax.axis_size(axis_name)
+  need = _runtime.group_workspace_bytes(op, tp, item_bytes, scale_bytes)
+  common = dict(tp=tp, num_groups=num_groups, workspace_class=_runtime.ensure_workspace(need),
                 debug_skip_rank=debug_skip_rank, **attrs)
   ffi_call = jax.ffi.ffi_call(_runtime.target_name(op), out_types)
   site = signature_key(op, (*operands, info, *scales), out_types, common)

@@ -53,12 +53,11 @@ def all_gather_grouped(x, w, group_sizes, token_index, row_scale, axis_name: str
   itemsize = jnp.dtype(x.dtype).itemsize
   out_types = [jax.ShapeDtypeStruct((tp * s, n), x.dtype),
                jax.ShapeDtypeStruct((tp * s, k), x.dtype)]
-  # Two parities of tp receive slots, each holding one rank's token shard.
   y, rows = _group_call.call(
       _AG_OP, out_types,
       (x, w, group_sizes.astype(jnp.int32), token_index.astype(jnp.int32),
        row_scale.astype(jnp.float32)),
-      axis_name, 2 * tp * _group_call.slot_bytes(m * k * itemsize),
+      axis_name, item_bytes=m * k * itemsize,  # this rank's token shard
       debug_skip_rank=debug_skip_rank, transpose_w=int(transpose_w),
       tile=_tile(tile, s / max(groups, 1), n))
   return _common.mark_varying(y, axes), _common.mark_varying(rows, axes)
@@ -83,12 +82,11 @@ def grouped_reduce_scatter(h, w, group_sizes, row_index, weights, axis_name: str
           | _common.vma(weights) | {axis_name})
   itemsize = jnp.dtype(h.dtype).itemsize
   out_types = [jax.ShapeDtypeStruct((m, n), h.dtype), jax.ShapeDtypeStruct((s, n), h.dtype)]
-  # Two parities of [tp receive slots, tp staging slots], one segment's partial each.
   z, y_rows = _group_call.call(
       _RS_OP, out_types,
       (h, w, group_sizes.astype(jnp.int32), row_index.astype(jnp.int32),
        weights.astype(jnp.float32)),
-      axis_name, 2 * 2 * tp * _group_call.slot_bytes(s * n * itemsize),
+      axis_name, item_bytes=s * n * itemsize,  # one segment's partial
       debug_skip_rank=debug_skip_rank, transpose_w=int(transpose_w),
       tile=_tile(tile, s / max(groups, 1), n))
   return _common.mark_varying(z, axes), _common.mark_varying(y_rows, axes)

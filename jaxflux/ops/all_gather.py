@@ -44,7 +44,5 @@ def all_gather(x, axis_name: str, *, impl: str = "fused", debug_skip_rank: int =
                                               "impl='xla'.")
   shard_bytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
   out_shape = x.shape[:-2] + (tp * x.shape[-2], x.shape[-1])
-  # Receive slots [epoch parity][source rank] (peers push into them).
   return _group_call.call("all_gather", jax.ShapeDtypeStruct(out_shape, x.dtype), (x,),
-                          axis_name, 2 * tp * _group_call.slot_bytes(shard_bytes),
-                          debug_skip_rank=debug_skip_rank)
+                          axis_name, item_bytes=shard_bytes, debug_skip_rank=debug_skip_rank)

@@ -40,6 +40,7 @@
 #include "xla_ffi/ffi/matmul_operands.h"
 #include "xla_ffi/ffi/scratch.h"
 #include "xla_ffi/ffi/tile_wait_setup.h"
+#include "xla_ffi/ffi/workspace_layout.h"
 #include "xla_ffi/kernels/ag_gemm_sm90.h"
 #include "xla_ffi/runtime/runtime.h"
 #include "xla_ffi/runtime/signals.h"
@@ -163,12 +164,12 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
       Fp8Scales(kOp, s.dtype, scales, s.batch * s.m, s.n, &x_scale, &w_scale));
   const size_t shard_bytes = x.size_bytes();
   // A, then (FP8) the gathered row scales S, in each parity half.
-  const size_t a_bytes = (shard_bytes * static_cast<size_t>(tp) + 255) / 256 * 256;
+  const size_t a_bytes = SlotBytes(shard_bytes * static_cast<size_t>(tp));
   const size_t scale_row_bytes = x_scale != nullptr ? s.m * sizeof(float) : 0;  // one entry's
   GroupCall call(kOp, stream, ordinal);
   JAXFLUX_RETURN_IF_ERROR(call.Begin(
       state, rank_info, {tp, num_groups, site, workspace_class, debug_skip_rank, run.run_id},
-      a_bytes + s.batch * static_cast<size_t>(tp) * scale_row_bytes));
+      HalfBytes(SlotLayout::kGatheredRows, tp, shard_bytes, s.batch * scale_row_bytes)));
   const GroupInfo& g = call.group();
   const int rank = g.rank;
   DeviceResources* res = call.self();

@@ -23,6 +23,7 @@
 #include "xla_ffi/ffi/errors.h"
 #include "xla_ffi/ffi/group.h"
 #include "xla_ffi/ffi/group_call.h"
+#include "xla_ffi/ffi/workspace_layout.h"
 #include "xla_ffi/kernels/signal_kernels.h"
 #include "xla_ffi/runtime/runtime.h"
 #include "xla_ffi/runtime/signals.h"
@@ -114,13 +115,13 @@ ffi::Error AllGather(cudaStream_t stream, int32_t ordinal, RankState* state, ffi
   const size_t rows = row_bytes == 0 ? 0 : x.size_bytes() / row_bytes;
   const size_t shard_bytes = x.size_bytes();
   // Receive slots: arena half = [source rank][slot_bytes].
-  const size_t slot_bytes = (shard_bytes + 255) / 256 * 256;
+  const size_t slot_bytes = SlotBytes(shard_bytes);
 
   GroupCall call(kOp, stream, ordinal);
   JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
                                      {tp, num_groups, site, workspace_class, debug_skip_rank,
                                       run.run_id},
-                                     slot_bytes * static_cast<size_t>(tp)));
+                                     HalfBytes(SlotLayout::kReceive, tp, shard_bytes)));
   const GroupInfo& g = call.group();
   const int rank = g.rank;
   DeviceResources* res = call.self();

@@ -37,6 +37,7 @@
 #include "xla_ffi/ffi/push_plan.h"
 #include "xla_ffi/ffi/scratch.h"
 #include "xla_ffi/ffi/wait_reduce_setup.h"
+#include "xla_ffi/ffi/workspace_layout.h"
 #include "xla_ffi/kernels/gemm_sm90.h"
 #include "xla_ffi/kernels/reduce_kernels.h"
 #include "xla_ffi/runtime/runtime.h"
@@ -98,12 +99,12 @@ ffi::Error GemmAr(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
       Fp8Scales(kOp, s.dtype, scales, s.batch * s.rows, s.n, &row_scale, &col_scale));
 
   const size_t partial_bytes = s.batch * s.rows * s.n * s.out_elem;  // x · w, every row
-  const size_t slot_bytes = (partial_bytes + 255) / 256 * 256;
+  const size_t slot_bytes = SlotBytes(partial_bytes);
   GroupCall call(kOp, stream, ordinal);
   JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
                                      {tp, num_groups, site, workspace_class, debug_skip_rank,
                                       run.run_id},
-                                     slot_bytes * static_cast<size_t>(tp)));
+                                     HalfBytes(SlotLayout::kReceive, tp, partial_bytes)));
   const int rank = call.rank();
   DeviceResources* res = call.self();
   std::string failed;

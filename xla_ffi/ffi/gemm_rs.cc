@@ -42,6 +42,7 @@
 #include "xla_ffi/ffi/scratch.h"
 #include "xla_ffi/ffi/tile_wait_setup.h"
 #include "xla_ffi/ffi/wait_reduce_setup.h"
+#include "xla_ffi/ffi/workspace_layout.h"
 #include "xla_ffi/kernels/gemm_sm90.h"
 #include "xla_ffi/kernels/reduce_kernels.h"
 #include "xla_ffi/kernels/rs_gemm_sm90.h"
@@ -146,12 +147,12 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
       Fp8Scales(kOp, s.dtype, scales, s.batch * s.rows, s.n, &row_scale, &col_scale));
   // One owner's rows of x · w, in the output's dtype.
   const size_t partial_bytes = s.batch * s.m * s.n * s.out_elem;
-  const size_t slot_bytes = (partial_bytes + 255) / 256 * 256;
+  const size_t slot_bytes = SlotBytes(partial_bytes);
   GroupCall call(kOp, stream, ordinal);
   JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
                                      {tp, num_groups, site, workspace_class, debug_skip_rank,
                                       run.run_id},
-                                     2 * slot_bytes * static_cast<size_t>(tp)));
+                                     HalfBytes(SlotLayout::kReceiveAndStage, tp, partial_bytes)));
   const GroupInfo& g = call.group();
   const int rank = g.rank;
   DeviceResources* res = call.self();

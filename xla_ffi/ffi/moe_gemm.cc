@@ -38,6 +38,7 @@
 #include "xla_ffi/ffi/group.h"
 #include "xla_ffi/ffi/group_call.h"
 #include "xla_ffi/ffi/scratch.h"
+#include "xla_ffi/ffi/workspace_layout.h"
 #include "xla_ffi/kernels/grouped_gemm_sm90.h"
 #include "xla_ffi/kernels/moe_kernels.h"
 #include "xla_ffi/runtime/runtime.h"
@@ -194,14 +195,14 @@ ffi::Error MoeAgGroupedGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAl
   }
   const size_t elem = ffi::ByteWidth(x.element_type());
   const size_t shard_bytes = x.size_bytes();
-  const size_t slot_bytes = (shard_bytes + 255) / 256 * 256;
+  const size_t slot_bytes = SlotBytes(shard_bytes);
   JAXFLUX_RETURN_IF_ERROR(AllocateGemmScratch(op, scratch, &gemm, s));
 
   GroupCall call(op, stream, ordinal);
   JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
                                      {tp, num_groups, site, workspace_class, debug_skip_rank,
                                       run.run_id},
-                                     slot_bytes * static_cast<size_t>(tp)));
+                                     HalfBytes(SlotLayout::kReceive, tp, shard_bytes)));
   const int rank = call.rank();
   DeviceResources* res = call.self();
   const uint64_t flag_value = call.epoch() * kMaxChunks + 1;
@@ -296,14 +297,14 @@ ffi::Error MoeGroupedGemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAl
   }
   const size_t elem = ffi::ByteWidth(h.element_type());
   const size_t partial_bytes = static_cast<size_t>(s) * n * elem;
-  const size_t slot_bytes = (partial_bytes + 255) / 256 * 256;
+  const size_t slot_bytes = SlotBytes(partial_bytes);
   JAXFLUX_RETURN_IF_ERROR(AllocateGemmScratch(op, scratch, &gemm, s));
 
   GroupCall call(op, stream, ordinal);
   JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
                                      {tp, num_groups, site, workspace_class, debug_skip_rank,
                                       run.run_id},
-                                     2 * slot_bytes * static_cast<size_t>(tp)));
+                                     HalfBytes(SlotLayout::kReceiveAndStage, tp, partial_bytes)));
   const int rank = call.rank();
   DeviceResources* res = call.self();
   const uint64_t flag_value = call.epoch() * kMaxChunks + 1;
