@@ -25,9 +25,9 @@ def scales(x, w, x_scale, w_scale, transpose_w: bool) -> tuple:
   groups = w.shape[0]
   n = w.shape[1] if transpose_w else w.shape[2]
   rows = _plan.fp8_scale(_OP, "x_scale", "x", x, x_scale, (x.shape[0], 1),
-                          "(M, 1), one per row of x")
+                         "(M, 1), one per row of x")
   cols = _plan.fp8_scale(_OP, "w_scale", "w", w, w_scale, (groups, 1, n),
-                          "(G, 1, N), one per output column of each group's weight")
+                         "(G, 1, N), one per output column of each group's weight")
   return rows, cols
 
 

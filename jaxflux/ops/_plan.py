@@ -201,9 +201,9 @@ def _fp8_scales(op: str, x, w, x_scale, w_scale, transpose_w: bool) -> tuple:
   gathers it with x and each rank's own scale stays with its shard."""
   n = w.shape[0] if transpose_w else w.shape[1]
   rows = fp8_scale(op, "x_scale", "x", x, x_scale, tuple(x.shape[:-1]) + (1,),
-                    "x.shape[:-1] + (1,), one per row of x")
+                   "x.shape[:-1] + (1,), one per row of x")
   cols = fp8_scale(op, "w_scale", "w", w, w_scale, (1, n),
-                    f"(1, N), one per output column (N = w.shape[{0 if transpose_w else 1}])")
+                   f"(1, N), one per output column (N = w.shape[{0 if transpose_w else 1}])")
   return rows, cols
 
 

@@ -177,16 +177,19 @@ ENTRIES = (
 # on average (decode
 # GEMM at M <= 128: 1.10x on H200, h200_gemm_decode.json; 1.079x on H100, h100_gemm_decode.json,
 # 1.04-1.25x at one row; persistent GEMM 1.075x above, h200_gemm_all_reduce.json). In the
-# generation example on one H100 the fused layers decode a little ahead of Flax's (0.96-0.98x
-# at batch 1, h100_generate_llama70b_8l_batch1.json; 0.905x at batch 16,
-# h100_generate_llama70b_8l.json), but no table says which rows the kernel wins, so no rule yet.
+# generation example on one H100 the fused layers decoded at most a little ahead of Flax's
+# (0.96-0.98x at batch 1, h100_generate_llama70b_8l_batch1.json; 0.905x at batch 16,
+# h100_generate_llama70b_8l.json, where auto, Flax's own program, took 1.03x: the spread of
+# timing the models one after the other), and no table says which rows the kernel wins, so no
+# rule yet.
 # With FP8 operands the decode rows of an H100 have one (below): every dense op at tp=1 runs the
 # same GEMM (GEMM+AllReduce's, tuned by rows), so the rule covers all three.
 #
 # The grouped and MoE ops: their XLA path multiplies with lax.ragged_dot, which the grouped
-# table puts 7-72x behind the kernel on one H200. For the MoE ops at tp >= 2 no two-GPU timing exists, but
-# their XLA path does the same collectives around ragged_dot: the fused op would have to move
-# its tokens several times slower than NCCL to lose, so the rule takes the kernel at any tp.
+# table puts 7-72x behind the kernel on one H200. For the MoE ops at tp >= 2 no two-GPU timing
+# exists, but their XLA path does the same collectives around ragged_dot: the fused op would
+# have to move its tokens several times slower than NCCL to lose, so the rule takes the kernel
+# at any tp.
 # Both tables were measured at 4,096-16,384 rows; fewer rows are not timed.
 _GROUPED = ("h200_grouped_gemm.json", "h200_moe_layer.json")
 _MOE_WHY = ("Its XLA path is ragged_dot per segment, which on one H200 ran 6.9-72x slower than "
