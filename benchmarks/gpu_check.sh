@@ -49,7 +49,8 @@
 #           quick tier from a copy of the tests without the source package (WHEEL_PYTEST narrows
 #           that run); runs before, and without, the editable build of the other stages
 # PREBUILT=1 skips the build and runs the extension module already in jaxflux/ (built by an
-# earlier call of this script on the same kind of machine, carried over).
+# earlier call of this script on the same kind of machine, carried over). A call that builds
+# (the wheel stage, or any stage without PREBUILT) leaves its module in OUTDIR to carry.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/jaxflux_gpu}}
 STAGES=${STAGES:-tests tables train}
@@ -70,6 +71,11 @@ if stage wheel; then
       -w "$OUTDIR/wheel" . > "$OUTDIR/wheel_build.log" 2>&1 \
     || { tail -40 "$OUTDIR/wheel_build.log"; exit 1; }
   echo "wheel built in $(( $(date +%s) - s )) s: $(cd "$OUTDIR/wheel" && ls -s --block-size=K)"
+  python3 -c "import glob, sys, zipfile
+wheel = zipfile.ZipFile(glob.glob(sys.argv[1] + '/wheel/*.whl')[0])
+for name in wheel.namelist():
+  if name.startswith('jaxflux/_jaxflux'):
+    open(sys.argv[1] + '/' + name.split('/')[-1], 'wb').write(wheel.read(name))" "$OUTDIR"
   # The tests, examples and shapes without jaxflux/: `import jaxflux` finds the installed wheel.
   mkdir -p "$tree" && tar --exclude=./jaxflux --exclude=./build --exclude=./.whl --exclude=./.git \
     -cf - . | tar -C "$tree" -xf -
@@ -102,6 +108,7 @@ else
     tail -60 "$OUTDIR/build.log"; exit 1
   fi
   echo "built at $(( $(date +%s) - T0 )) s"
+  cp "$(python3 -c 'import jaxflux._jaxflux as m; print(m.__file__)')" "$OUTDIR/"
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 GPUS=$(python3 -c "import jax, jaxflux; assert jaxflux.has_cuda(); print(jax.device_count())") \
