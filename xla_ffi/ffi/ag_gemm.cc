@@ -56,6 +56,8 @@ static_assert(kAgGemmConfigNames.size() == kAgGemmNumConfigs,
 namespace {
 
 constexpr char kOp[] = "all_gather_matmul";
+// Its workspace layout (workspace_layout.h); a compile error if kOp has none.
+constexpr SlotLayout kLayout = *SlotLayoutOf(kOp);
 
 static_assert(kTileWaitMaxChunks == kMaxChunks, "the kernel's chunk_ends hold one shard's chunks");
 
@@ -169,7 +171,7 @@ ffi::Error AgGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   GroupCall call(kOp, stream, ordinal);
   JAXFLUX_RETURN_IF_ERROR(call.Begin(
       state, rank_info, {tp, num_groups, site, workspace_class, debug_skip_rank, run.run_id},
-      HalfBytes(SlotLayout::kGatheredRows, tp, shard_bytes, s.batch * scale_row_bytes)));
+      HalfBytes(kLayout, tp, shard_bytes, s.batch * scale_row_bytes)));
   const GroupInfo& g = call.group();
   const int rank = g.rank;
   DeviceResources* res = call.self();

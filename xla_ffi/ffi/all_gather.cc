@@ -36,6 +36,8 @@ namespace jaxflux {
 namespace {
 
 constexpr char kOp[] = "all_gather";
+// Its workspace layout (workspace_layout.h); a compile error if kOp has none.
+constexpr SlotLayout kLayout = *SlotLayoutOf(kOp);
 
 // The own shard plus every chunk of every peer fits one gather kernel.
 static_assert(1 + kMaxChunks * (kMaxRanks - 1) <= kGatherMaxSegments);
@@ -121,7 +123,7 @@ ffi::Error AllGather(cudaStream_t stream, int32_t ordinal, RankState* state, ffi
   JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
                                      {tp, num_groups, site, workspace_class, debug_skip_rank,
                                       run.run_id},
-                                     HalfBytes(SlotLayout::kReceive, tp, shard_bytes)));
+                                     HalfBytes(kLayout, tp, shard_bytes)));
   const GroupInfo& g = call.group();
   const int rank = g.rank;
   DeviceResources* res = call.self();

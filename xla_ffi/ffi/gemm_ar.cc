@@ -54,6 +54,8 @@ static_assert(kGemmTilesNames.size() == kGemmNumTiles,
 namespace {
 
 constexpr char kOp[] = "matmul_all_reduce";
+// Its workspace layout (workspace_layout.h); a compile error if kOp has none.
+constexpr SlotLayout kLayout = *SlotLayoutOf(kOp);
 
 static_assert(kPushMaxChunks == kMaxChunks, "a push's chunks are flagged e*kMaxChunks + c + 1");
 
@@ -104,7 +106,7 @@ ffi::Error GemmAr(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
                                      {tp, num_groups, site, workspace_class, debug_skip_rank,
                                       run.run_id},
-                                     HalfBytes(SlotLayout::kReceive, tp, partial_bytes)));
+                                     HalfBytes(kLayout, tp, partial_bytes)));
   const int rank = call.rank();
   DeviceResources* res = call.self();
   std::string failed;

@@ -60,6 +60,8 @@ static_assert(kOwnRowsScheduleNames.size() == 2, "attribute_names.h names both s
 namespace {
 
 constexpr char kOp[] = "matmul_reduce_scatter";
+// Its workspace layout (workspace_layout.h); a compile error if kOp has none.
+constexpr SlotLayout kLayout = *SlotLayoutOf(kOp);
 
 static_assert(kTileWaitMaxChunks == kMaxChunks, "the kernel's chunk_ends hold one push's chunks");
 static_assert(kPushMaxChunks == kMaxChunks, "a push plan's chunks are flagged e*kMaxChunks + c + 1");
@@ -152,7 +154,7 @@ ffi::Error GemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAllocator sc
   JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
                                      {tp, num_groups, site, workspace_class, debug_skip_rank,
                                       run.run_id},
-                                     HalfBytes(SlotLayout::kReceiveAndStage, tp, partial_bytes)));
+                                     HalfBytes(kLayout, tp, partial_bytes)));
   const GroupInfo& g = call.group();
   const int rank = g.rank;
   DeviceResources* res = call.self();

@@ -51,7 +51,11 @@ namespace jaxflux {
 namespace {
 
 constexpr char kAgOp[] = "all_gather_grouped_matmul";
+// Its workspace layout (workspace_layout.h); a compile error if kAgOp has none.
+constexpr SlotLayout kAgLayout = *SlotLayoutOf(kAgOp);
 constexpr char kRsOp[] = "grouped_matmul_reduce_scatter";
+// Its workspace layout (workspace_layout.h); a compile error if kRsOp has none.
+constexpr SlotLayout kRsLayout = *SlotLayoutOf(kRsOp);
 
 std::string Dims(ffi::AnyBuffer::Dimensions dims) {
   std::string out = "[";
@@ -202,7 +206,7 @@ ffi::Error MoeAgGroupedGemm(cudaStream_t stream, int32_t ordinal, ffi::ScratchAl
   JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
                                      {tp, num_groups, site, workspace_class, debug_skip_rank,
                                       run.run_id},
-                                     HalfBytes(SlotLayout::kReceive, tp, shard_bytes)));
+                                     HalfBytes(kAgLayout, tp, shard_bytes)));
   const int rank = call.rank();
   DeviceResources* res = call.self();
   const uint64_t flag_value = call.epoch() * kMaxChunks + 1;
@@ -304,7 +308,7 @@ ffi::Error MoeGroupedGemmRs(cudaStream_t stream, int32_t ordinal, ffi::ScratchAl
   JAXFLUX_RETURN_IF_ERROR(call.Begin(state, rank_info,
                                      {tp, num_groups, site, workspace_class, debug_skip_rank,
                                       run.run_id},
-                                     HalfBytes(SlotLayout::kReceiveAndStage, tp, partial_bytes)));
+                                     HalfBytes(kRsLayout, tp, partial_bytes)));
   const int rank = call.rank();
   DeviceResources* res = call.self();
   const uint64_t flag_value = call.epoch() * kMaxChunks + 1;
