@@ -13,7 +13,7 @@ import pytest
 
 import jaxflux
 from jaxflux import bench
-from jaxflux.bench import moe_table as mt
+from jaxflux.bench import moe_record as mr, moe_table as mt
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHAPES = {"moe": [{"name": "tiny", "hidden": 16, "intermediate": 8, "experts": 4, "top_k": 2,
@@ -118,14 +118,14 @@ def test_the_step_is_value_and_grad_of_the_loss():
 def test_compare_and_rel_diff():
   grads = {"gate": jnp.ones((2, 3)), "x": jnp.full((4,), 2.0)}
   other = {"gate": jnp.ones((2, 3)) * 1.01, "x": jnp.full((4,), 2.0)}
-  checks = mt.compare((jnp.array([1.1, 0.5, 2.0]), other), (jnp.array([1.0, 0.4, 2.0]), grads))
+  checks = mr.compare((jnp.array([1.1, 0.5, 2.0]), other), (jnp.array([1.0, 0.4, 2.0]), grads))
   assert checks["loss_rel_diff"] == pytest.approx(0.1)
   assert checks["output_loss_rel_diff"] == pytest.approx(0.25)
   assert checks["grad_rel_diff"]["gate"] == pytest.approx(0.01, rel=1e-4)
   assert checks["grad_rel_diff"]["x"] == 0.0
   assert checks["grad_rel_diff_max"] == pytest.approx(0.01, rel=1e-4)
-  assert mt._rel_diff(0.0, 0.0) == 0.0 and mt._rel_diff(1.0, 0.0) is None
-  assert mt._rel_diff(float("nan"), 1.0) is None
+  assert mr._rel_diff(0.0, 0.0) == 0.0 and mr._rel_diff(1.0, 0.0) is None
+  assert mr._rel_diff(float("nan"), 1.0) is None
 
 
 def test_row_ratio_and_table_arithmetic():
@@ -134,7 +134,7 @@ def test_row_ratio_and_table_arithmetic():
             "ragged_dot": {"total": 1.0, "output": 0.0, "load_balancing": 100.0}}
   checks = {"loss_rel_diff": 0.01, "output_loss_rel_diff": 0.2, "grad_rel_diff": {"x": 1e-3},
             "grad_rel_diff_max": 1e-3}
-  record = mt.summarize_row(row, {"fused": [1.0, 1.2, 1.1], "ragged_dot": [3.0, 3.6]}, {},
+  record = mr.summarize_row(row, {"fused": [1.0, 1.2, 1.1], "ragged_dot": [3.0, 3.6]}, {},
                             losses, checks, {"fused": 2}, {}, 1, [30, 34, 0, 0])
   assert record["ms"] == {"fused": 1.1, "ragged_dot": pytest.approx(3.3), "fused_gemms": None}
   assert record["gemm_share"] is None and record["outside_gemms_share"] is None
@@ -149,28 +149,28 @@ def test_row_ratio_and_table_arithmetic():
   # The output term differs by more than MOE_MAX_REL_DIFF: a warning.
   assert [w.split(" ")[0] for w in record["warnings"]] == ["output_loss_rel_diff"]
 
-  only = mt.summarize_row(_row(M=64), {"ragged_dot": [2.0]}, {"fused": "E: no kernel"},
+  only = mr.summarize_row(_row(M=64), {"ragged_dot": [2.0]}, {"fused": "E: no kernel"},
                           {"ragged_dot": losses["ragged_dot"]}, None, {}, {}, 1, None)
   assert only["ms"]["fused"] is None and only["ratios"]["ragged_over_fused"] is None
   assert only["loss"] == {"fused": None, "ragged_dot": 1.0} and only["grad_rel_diff"] is None
   assert only["errors"] == {"fused": "E: no kernel", "fused_gemms": "not requested"}
   assert only["warnings"] == []
-  fast = mt.summarize_row(row, {"ragged_dot": [1e-9]}, {}, {}, None, {}, {}, 1, None)
+  fast = mr.summarize_row(row, {"ragged_dot": [1e-9]}, {}, {}, None, {}, {}, 1, None)
   assert fast["errors"]["fused"] == "not requested" and "ragged_dot: " in fast["warnings"][0]
 
   # The fused step's GEMMs alone: its share of the step, the rest outside them.
-  gemms = mt.summarize_row(row, {"fused": [2.0], "fused_gemms": [1.5]}, {}, {}, None, {}, {},
+  gemms = mr.summarize_row(row, {"fused": [2.0], "fused_gemms": [1.5]}, {}, {}, None, {}, {},
                            1, None)
   assert gemms["gemm_share"] == 0.75 and gemms["outside_gemms_share"] == pytest.approx(0.25)
   assert gemms["tflops"]["fused_gemms"] == pytest.approx(row.gemm_flops / 1.5e-3 / 1e12)
-  assert mt.summarize_table([gemms])["outside_gemms_share"]["worst"] == pytest.approx(0.25)
+  assert mr.summarize_table([gemms])["outside_gemms_share"]["worst"] == pytest.approx(0.25)
 
-  summary = mt.summarize_table([record, only])
+  summary = mr.summarize_table([record, only])
   assert summary["ragged_over_fused"] == {"rows": 1, "of_rows": 2, "mean": pytest.approx(3.0),
                                           "worst": pytest.approx(3.0), "worst_row": "tiny M=32"}
   assert summary["grad_rel_diff_max"] == {"rows": 1, "of_rows": 2, "worst": 1e-3,
                                           "worst_row": "tiny M=32"}
-  text = mt.format_table({"rows": [record, only], "summary": summary})
+  text = mr.format_table({"rows": [record, only], "summary": summary})
   line = r"\ntiny +32 +4 +2 +0-34 +1\.100 +3\.300 +3\.00 .* 1 +1\.0e-02 +1\.0e-03\n"
   assert re.search(line, text)
   assert "ragged_over_fused: mean 3.000, worst 3.000 (tiny M=32), 1 of 2 rows" in text

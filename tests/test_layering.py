@@ -1,6 +1,7 @@
 """The package's layering, read from the source with ast (imports inside functions included):
 no import cycle among jaxflux modules, the ops and the tuning table below the layers and the
-benchmark, the tuning table below the ops, and no file of jaxflux/ or xla_ffi/ over 500 lines."""
+benchmark, the tuning table below the ops, the benchmark on the public modules of the ops,
+layers and tuning table, and no file of jaxflux/ or xla_ffi/ over 500 lines."""
 import ast
 import pathlib
 
@@ -95,6 +96,23 @@ def test_tuning_imports_nothing_from_the_ops():
     if name == "jaxflux.tuning" or name.startswith("jaxflux.tuning."):
       bad = sorted(m for m in _reachable(name) if m.startswith("jaxflux.ops"))
       assert not bad, f"{name} reaches {bad}"
+
+
+def test_the_benchmark_uses_the_ops_layers_and_tuning_through_their_public_modules():
+  # What the benchmark and the tune command time is what users run: no private module of the
+  # ops, the layers or the tuning table (jaxflux._runtime, the native module's face, is theirs
+  # too: the device clock is one of its targets).
+  tools = ("jaxflux.bench", "jaxflux.tune")
+  libraries = ("jaxflux.ops", "jaxflux.layers", "jaxflux.tuning")
+  bad = {}
+  for name in GRAPH:
+    if any(name == t or name.startswith(t + ".") for t in tools):
+      private = sorted(m for m in GRAPH[name]
+                       if any(m.startswith(lib + ".") for lib in libraries)
+                       and any(part.startswith("_") for part in m.split(".")[2:]))
+      if private:
+        bad[name] = private
+  assert not bad, bad
 
 
 def test_no_file_is_over_500_lines():

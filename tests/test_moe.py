@@ -166,6 +166,47 @@ def test_init_params_and_loss_range():
   assert 1.0 <= float(aux) <= 8.0  # 1 at perfect balance, E when one expert takes all
 
 
+def reference_load(params, x, k):
+  """(token, expert) pairs per expert: NumPy's top k of the float32 router logits, counted."""
+  logits = np.asarray(x, np.float32).reshape(-1, x.shape[-1]) @ np.asarray(params["gate"])
+  chosen = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+  return np.bincount(chosen.ravel(), minlength=logits.shape[-1]).astype(np.float32)
+
+
+@pytest.mark.parametrize("case", [None, "dp2_tp4_sequence_parallel", "dp2_ep2_tp2_fsdp"])
+def test_expert_load_counts_the_routed_pairs(case):
+  params, x = random_params(3, 8, "swiglu"), random_x(4, (4, 8, HIDDEN))
+  want = reference_load(params, x, 2)
+  assert want.sum() == 64 and len(set(want)) > 1  # uneven: a wrong count can't hide
+  layer = jaxflux.MoE(8, 2, INTER)
+  load = jax.jit(lambda p, x: layer.apply({"params": p}, x, mutable=["intermediates"])[1][
+      "intermediates"]["expert_load"][0])
+  if case is None:
+    got = load(params, x)
+  else:  # tokens sharded: every device's count is of all tokens, not its own
+    shape, names, rules, x_spec = MESHES[case]
+    mesh = mesh_of(shape, names, EXPLICIT)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+      variables = jax.jit(layer.init)(jax.random.key(0), x)
+      sharded = {k: jax.device_put(v, variables["params"][k].value.sharding)
+                 for k, v in params.items()}
+      got = load(sharded, jax.device_put(x, NamedSharding(mesh, x_spec)))
+  np.testing.assert_array_equal(np.asarray(got), want)
+  if case is not None:
+    return
+  model = jaxflux.nnx.MoE(HIDDEN, 8, 2, INTER, rngs=nnx.Rngs(0))
+  state = nnx.state(model, nnx.Param)
+  nnx.replace_by_pure_dict(state, params)
+  nnx.update(model, state)
+  both, only_load = nnx.jit(lambda m, x: (
+      m(x, return_load_balancing_loss=True, return_expert_load=True),
+      m(x, return_expert_load=True)[1]))(model, x)
+  y, loss, nnx_load = both
+  assert y.shape == x.shape and loss.shape == ()
+  np.testing.assert_array_equal(np.asarray(nnx_load), want)
+  np.testing.assert_array_equal(np.asarray(only_load), want)
+
+
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 @pytest.mark.slow
 def test_nnx_equals_linen(activation):

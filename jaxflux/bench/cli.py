@@ -12,8 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxflux.bench import (device_clock, grouped_roofline, grouped_table, moe_table, processes,
-                           tuning_sweep)
+from jaxflux.bench import (device_clock, grouped_roofline, grouped_table, moe_record, moe_table,
+                           processes, tuning_sweep)
 from jaxflux.bench.config import (CHILD_MARKER, DEFAULT_VARIANTS, DEFINITIONS, EXTRA_VARIANTS,
                                   FP8_DTYPES, FP8_GEMM_VARIANTS, GEMM_FAMILIES,
                                   GEMM_VARIANTS, GROUPED_BACKWARD, GROUPED_FORWARD,
@@ -247,7 +247,7 @@ def _bench_rows(args, rows, mesh, variants, result, out_path, child, want_window
     elif row.op == "grouped_gemm":
       result["summary"] = grouped_table.summarize_table(result["rows"])
     elif row.op == "moe":
-      result["summary"] = moe_table.summarize_table(result["rows"])
+      result["summary"] = moe_record.summarize_table(result["rows"])
     log("        " + _row_summary(record), flush=True)
     # Written after every row so that a run cut short keeps what it measured.
     if processes.is_leader():
@@ -323,7 +323,7 @@ def run(argv: list[str] | None = None, log=print, progress=None) -> dict:
                                 "output's columns"}} if args.dtype in FP8_DTYPES else {}),
           **({"grouped_gemm": grouped_table.settings(args)}
              if args.op == "grouped_gemm" else {}),
-          **({"moe": moe_table.settings(args)} if args.op == "moe" else {}),
+          **({"moe": moe_record.settings(args)} if args.op == "moe" else {}),
       },
       "definitions": DEFINITIONS,
       "rows": [],
@@ -347,7 +347,7 @@ def run(argv: list[str] | None = None, log=print, progress=None) -> dict:
     write_json(out_path, result)
   result["output"] = str(out_path)
   tables = {"gemm": format_gemm_table, "grouped_gemm": grouped_table.format_table,
-            "moe": moe_table.format_table}
+            "moe": moe_record.format_table}
   log(tables.get(args.op, format_table)(result))
   log(f"[bench] wrote {out_path}")
   return result

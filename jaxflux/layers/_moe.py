@@ -317,7 +317,9 @@ def tensor_parallel_experts(x, weights, experts, wi, wo, *, axis: str, activatio
 def moe_mlp(layer: str, x, gate, wi: tuple, wo, *, num_experts_per_tok: int,
             norm_topk_prob: bool | None, activation: str, impl: str, precision, dtype,
             wi_spec):
-  """The MoE MLP on x [..., H] (global view): (y [..., H] in the compute dtype, loss).
+  """The MoE MLP on x [..., H] (global view): (y [..., H] in the compute dtype, the
+  load-balancing loss, the expert load: float32 [E], the (token, expert) pairs routed to each
+  expert over all tokens).
 
   Args:
     gate, wi, wo: the params (module docstring), laid out as stored.
@@ -393,4 +395,4 @@ def moe_mlp(layer: str, x, gate, wi: tuple, wo, *, num_experts_per_tok: int,
     y, pairs, probs = jax.shard_map(
       local, in_specs=tuple(map(spec, dims)), out_specs=(spec(token_dims), P(), P()),
       axis_names=set(plan.manual))(*args)
-  return y, load_balancing_loss(pairs, probs, math.prod(x.shape[:-1]), k)
+  return y, load_balancing_loss(pairs, probs, math.prod(x.shape[:-1]), k), pairs

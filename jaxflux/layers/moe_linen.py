@@ -35,6 +35,11 @@ class MoE(nn.Module):
   expert e, ``P_e`` its mean router probability; 1 when both are uniform. Add it, scaled
   (e.g. by 0.01), to the training loss.
 
+  Expert load: sown beside it as ``intermediates/expert_load``, float32 ``[num_experts]``,
+  the (token, expert) pairs routed to each expert over all tokens of the call (they sum to
+  tokens * num_experts_per_tok): the rows each expert's grouped matmul computes, for
+  watching the balance.
+
   Partitioning. The params come boxed in ``nn.LogicallyPartitioned`` with the logical names
   of ``gate_axes``, ``wi_axes`` and ``wo_axes`` (MaxText's by default); the active
   ``nn.logical_axis_rules`` map them to mesh axes (a name without a rule is replicated), as
@@ -55,6 +60,8 @@ class MoE(nn.Module):
     ...     variables, x)
     >>> y.shape, state["intermediates"]["load_balancing_loss"][0].shape
     ((2, 5, 16), ())
+    >>> float(state["intermediates"]["expert_load"][0].sum())  # 10 tokens, 2 experts each
+    20.0
     >>> nn.get_partition_spec(variables)["params"]["wi_0"]
     P('exp', 'embed', 'mlp')
 
@@ -121,7 +128,8 @@ class MoE(nn.Module):
     """Routes each token of ``inputs [..., hidden]`` through its top-k experts.
 
     Returns:
-      ``[..., hidden]`` in the compute dtype; sows the load-balancing loss (see above).
+      ``[..., hidden]`` in the compute dtype; sows the load-balancing loss and the expert
+      load (see above).
     """
     layer = "jaxflux.MoE"
     hidden = _moe.check_hidden(layer, inputs, self._stored_hidden())
@@ -135,11 +143,12 @@ class MoE(nn.Module):
                for name in _moe.expert_param_names(self.activation))
     wo = self._param("wo", self.kernel_init, "kernel_init", self.wo_axes,
                      (experts, inter, hidden))
-    y, loss = _moe.moe_mlp(
+    y, loss, load = _moe.moe_mlp(
       layer, inputs, gate, wi, wo, num_experts_per_tok=self.num_experts_per_tok,
       norm_topk_prob=self.norm_topk_prob, activation=self.activation, impl=self.impl,
       precision=self.precision, dtype=self.dtype, wi_spec=wi_spec)
     self.sow("intermediates", "load_balancing_loss", loss)
+    self.sow("intermediates", "expert_load", load)
     return y
 
   def _stored_hidden(self) -> int | None:

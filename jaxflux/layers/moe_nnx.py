@@ -31,7 +31,9 @@ class MoE(nnx.Module):
 
   Load-balancing loss: ``model(x, return_load_balancing_loss=True)`` returns ``(y, loss)``.
   (Storing it on the module would mutate the module at every call, which fails for a module
-  closed over by ``jax.jit`` / ``nnx.jit``.)
+  closed over by ``jax.jit`` / ``nnx.jit``.) Expert load: ``return_expert_load=True`` returns
+  ``jaxflux.MoE``'s ``expert_load`` too, float32 ``[num_experts]``, the (token, expert) pairs
+  routed to each expert over all tokens of the call; with both flags ``(y, loss, load)``.
 
   Partitioning. Each Param's ``out_sharding`` is the logical names of ``gate_axes``,
   ``wi_axes`` or ``wo_axes`` (MaxText's by default); flax maps them through the active
@@ -145,12 +147,14 @@ class MoE(nnx.Module):
     make("wo", kernel_init, "kernel_init", wo_axes, (e, i, h))
     self._param_specs = tuple(sorted(specs.items()))
 
-  def __call__(self, inputs: jax.Array, *, return_load_balancing_loss: bool = False):
+  def __call__(self, inputs: jax.Array, *, return_load_balancing_loss: bool = False,
+               return_expert_load: bool = False):
     """Routes each token of ``inputs [..., hidden_size]`` through its top-k experts.
 
     Returns:
       ``y [..., hidden_size]`` in the compute dtype; with ``return_load_balancing_loss``,
-      ``(y, loss)``, the float32 scalar loss of ``jaxflux.MoE``.
+      ``(y, loss)``, the float32 scalar loss of ``jaxflux.MoE``; with ``return_expert_load``,
+      ``(y, load)``, float32 ``[num_experts]``; with both, ``(y, loss, load)``.
     """
     specs = dict(self._param_specs)
 
@@ -159,10 +163,11 @@ class MoE(nnx.Module):
       v = getattr(self, name)[...]
       return v if specs[name] is None else tpm.apply_partitioning(v, specs[name])
 
-    y, loss = _moe.moe_mlp(
+    y, loss, load = _moe.moe_mlp(
       "jaxflux.nnx.MoE", inputs, value("gate"),
       tuple(value(n) for n in _moe.expert_param_names(self.activation)), value("wo"),
       num_experts_per_tok=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob,
       activation=self.activation, impl=self.impl, precision=self.precision, dtype=self.dtype,
       wi_spec=specs[_moe.expert_param_names(self.activation)[0]])
-    return (y, loss) if return_load_balancing_loss else y
+    extra = (loss,) * bool(return_load_balancing_loss) + (load,) * bool(return_expert_load)
+    return (y, *extra) if extra else y
