@@ -15,19 +15,19 @@ def _config_for(op: str, x, w, axis_name: str, transpose_w: bool):
 def all_gather_matmul(x, w, axis_name: str, want_gathered: bool, *, transpose_w: bool = False,
                       debug_skip_rank: int = -1):
   config = _config_for("all_gather_matmul", x, w, axis_name, transpose_w)
-  return _fused.all_gather_matmul(x, w, axis_name, want_gathered, transpose_w=transpose_w,
-                                  config=config, debug_skip_rank=debug_skip_rank)
+  return _fused.all_gather_matmul(x, w, axis_name, want_gathered, config=config,
+                                  debug_skip_rank=debug_skip_rank)
 
 
 def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
                           debug_skip_rank: int = -1):
   config = _config_for("matmul_reduce_scatter", x, w, axis_name, transpose_w)
-  return _fused.matmul_reduce_scatter(x, w, axis_name, transpose_w=transpose_w, config=config,
+  return _fused.matmul_reduce_scatter(x, w, axis_name, config=config,
                                       debug_skip_rank=debug_skip_rank)
 
 
 def matmul_all_reduce(x, w, axis_name: str, *, transpose_w: bool = False,
                       debug_skip_rank: int = -1):
   config = _config_for("matmul_all_reduce", x, w, axis_name, transpose_w)
-  return _fused.matmul_all_reduce(x, w, axis_name, transpose_w=transpose_w, config=config,
+  return _fused.matmul_all_reduce(x, w, axis_name, config=config,
                                   debug_skip_rank=debug_skip_rank)

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxflux
 from jaxflux import _runtime, tuning
-from jaxflux.ops import _fused, _platform
+from jaxflux.ops import _config, _fused, _platform
 from conftest import make_mesh, mesh_of
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -342,8 +342,9 @@ def test_fused_calls_the_fp8_entry_with_normalized_scales(fake_gpu, monkeypatch,
   # The plan's kernel configuration, chosen once for the op's class.
   choice_types = {"ag": tuning.AllGatherMatmulChoice, "rs": tuning.MatmulReduceScatterChoice,
                   "ar": tuning.MatmulAllReduceChoice}
-  assert isinstance(seen["config"], tuning.Tuned)
+  assert isinstance(seen["config"], _config.KernelConfig)
   assert isinstance(seen["config"].choice, choice_types[op])
+  assert seen["config"].transpose_w  # the FP8 kernels read w K-major
   assert seen["out"] == jnp.bfloat16
   if op == "ag":
     assert seen["want"] is True

@@ -1,7 +1,9 @@
-"""The kernel configuration of a fused call, chosen once from this GPU's tables (jaxflux.tuning).
+"""The kernel configuration of a fused call, chosen once from this GPU's tables (jaxflux.tuning)
+and encoded as its FFI target's attributes (_attributes).
 
 The plan of an op call (_plan) holds it, so the forward's fused call and the GEMM-only target
-at tp=1 read one choice; a backward's partner plan chooses its own for its shapes.
+at tp=1 pass on one choice as they get it; a backward's partner plan chooses its own for its
+shapes.
 """
 from __future__ import annotations
 
@@ -11,10 +13,31 @@ import math
 import jax.numpy as jnp
 
 from jaxflux import _runtime
+from jaxflux.ops import _attributes
 from jaxflux.tuning import chooser
 
 
-def choose(op: str, x, w, *, tp: int, transpose_w: bool, out_dtype) -> chooser.Tuned:
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """A fused call's kernel: the table's choice and the attributes of the target that runs it
+  (jaxflux_gemm at tp=1, the op's own target above), transpose_w included."""
+  tuned: chooser.Tuned
+  attributes: tuple  # ((name, int), ...), sorted: hashable, as a Plan must be
+
+  @property
+  def choice(self):
+    return self.tuned.choice
+
+  @property
+  def transpose_w(self) -> bool:
+    """The weight is given [N, K] and read K-major."""
+    return bool(self.attrs()["transpose_w"])
+
+  def attrs(self) -> dict:
+    return dict(self.attributes)
+
+
+def choose(op: str, x, w, *, tp: int, transpose_w: bool, out_dtype) -> KernelConfig:
   """The configuration of `op` on per-device x [..., m, K] and w [K, n] ([n, K] with
   transpose_w) at group size tp, writing out_dtype (the partials the ops push are in it). At
   tp=1 an op is its GEMM alone, tuned as GEMM+AllReduce tunes its GEMM (by rows)."""
@@ -22,11 +45,10 @@ def choose(op: str, x, w, *, tp: int, transpose_w: bool, out_dtype) -> chooser.T
   n = w.shape[0] if transpose_w else w.shape[1]
   k = x.shape[-1]
   itemsize = jnp.dtype(out_dtype).itemsize
-  if tp == 1:
-    return chooser.choose_tp1_gemm(dtype=name, rows=math.prod(x.shape[:-1]), k=k, n=n,
-                                  itemsize=itemsize)
   batch, m = math.prod(x.shape[:-2]), x.shape[-2]
-  if op == "all_gather_matmul":
+  if tp == 1:
+    tuned = chooser.choose_tp1_gemm(dtype=name, rows=batch * m, k=k, n=n, itemsize=itemsize)
+  elif op == "all_gather_matmul":
     tuned = chooser.choose_all_gather_matmul(dtype=name, tp=tp, rows=batch * tp * m, k=k, n=n,
                                             sms=_runtime.sm_count(), shard_rows=m)
   elif op == "matmul_reduce_scatter":
@@ -35,7 +57,12 @@ def choose(op: str, x, w, *, tp: int, transpose_w: bool, out_dtype) -> chooser.T
   else:
     tuned = chooser.choose_matmul_all_reduce(dtype=name, tp=tp, batch=batch, m=m, k=k, n=n,
                                             itemsize=itemsize)
-  return _leave_sms_to_peers(tuned)
+  if tp > 1:
+    tuned = _leave_sms_to_peers(tuned)
+  # At tp=1 the op runs the GEMM-only target's kernel.
+  attrs = _attributes.of_call(op if tp > 1 else "gemm", tuned.choice, shard_rows=m,
+                              transpose_w=transpose_w)
+  return KernelConfig(tuned, tuple(sorted(attrs.items())))
 
 
 # SMs a fused GEMM leaves free where ranks share one GPU: a peer's push within one device is a

@@ -33,8 +33,7 @@ def all_gather_matmul(x, w, plan: _plan.Plan):
 def _ag_forward(x, w, plan, want_gathered):
   """(y, x_full); x_full is None when not wanted and the fused kernel runs."""
   if plan.kernel == "fused":
-    return _fused.all_gather_matmul(x, w, plan.axis_name, want_gathered,
-                                    transpose_w=plan.transpose_w, config=plan.config)
+    return _fused.all_gather_matmul(x, w, plan.axis_name, want_gathered, config=plan.config)
   x_full = lax.all_gather(x, plan.axis_name, axis=x.ndim - 2, tiled=True)
   return _product(x_full, w, plan), x_full
 
@@ -79,8 +78,7 @@ def matmul_reduce_scatter(x, w, plan: _plan.Plan):
 
 def _rs_forward(x, w, plan):
   if plan.kernel == "fused":
-    return _fused.matmul_reduce_scatter(x, w, plan.axis_name, transpose_w=plan.transpose_w,
-                                        config=plan.config)
+    return _fused.matmul_reduce_scatter(x, w, plan.axis_name, config=plan.config)
   return lax.psum_scatter(_product(x, w, plan), plan.axis_name, scatter_dimension=x.ndim - 2,
                           tiled=True)
 
@@ -119,8 +117,7 @@ def matmul_all_reduce(x, w, plan: _plan.Plan):
 
 def _ar_forward(x, w, plan):
   if plan.kernel == "fused":
-    return _fused.matmul_all_reduce(x, w, plan.axis_name, transpose_w=plan.transpose_w,
-                                    config=plan.config)
+    return _fused.matmul_all_reduce(x, w, plan.axis_name, config=plan.config)
   return lax.psum(_product(x, w, plan), plan.axis_name)
 
 

@@ -32,7 +32,7 @@ from jaxflux import _runtime
 from jaxflux.tuning import chooser
 from jaxflux.ops import _attributes, _common, _plan, _platform
 
-KERNELS = {"cutlass": 0, "all_gather_matmul": 1, "own_rows": 2, "matmul_all_reduce": 0}
+KERNELS = _attributes.GEMM_KERNELS
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 # How the fused FP8 kernels accumulate, per x dtype (xla_ffi/kernels/gemm_sm90.h, kFp8FastAccum).
 FP8_ACCUMULATE = {"float8_e4m3fn": "fast", "float8_e5m2": "fast"}
@@ -86,23 +86,6 @@ def choose(kernel: str, dtype, rows: int, k: int, n: int, out_itemsize: int | No
   if kernel == "matmul_all_reduce":
     return chooser.choose_tp1_gemm(dtype=name, rows=rows, k=k, n=n, itemsize=itemsize).choice
   return chooser.choose_own_rows_gemm(dtype=name, rows=rows, k=k, n=n, itemsize=itemsize).choice
-
-
-def attributes(kernel: str, choice) -> dict:
-  """The jaxflux_gemm attributes of `kernel` run with `choice` (its op's tuning choice)."""
-  attrs = {"kernel": KERNELS[kernel], "tile": 0, "own_rows_schedule": 0, "push_chunks": 0}
-  if kernel == "all_gather_matmul":
-    attrs.update(tile=_attributes.encode("ag_tile", choice.tile), swizzle=choice.swizzle)
-  elif kernel == "matmul_all_reduce":
-    attrs.update(tile=_attributes.encode("gemm_tile", choice.tile), swizzle=choice.swizzle)
-  elif kernel == "cutlass":
-    attrs.update(swizzle=choice.peer_rows_swizzle)
-  else:
-    attrs.update(own_rows_schedule=_attributes.encode("own_rows_schedule",
-                                                      choice.own_rows_schedule),
-                 push_chunks=int(choice.push == "chunked"), swizzle=choice.own_rows_swizzle)
-  attrs["grid_sms"] = choice.grid_sms
-  return attrs
 
 
 def _fp8_scales(op: str, x, x_scale, w_scale, n: int, transpose_w: bool, out_dtype,
@@ -160,19 +143,18 @@ def gemm(x, w, *, kernel: str = "cutlass", c=None, transpose_w: bool = False, x_
     raise _common.FusedKernelUnavailableError(f"{op}(kernel={kernel!r}): {reason}")
   choice = choose(kernel, x.dtype, math.prod(x.shape[:-1]), x.shape[-1], n,
                   out_itemsize=jnp.dtype(out).itemsize)
-  return call(x, w, kernel=kernel, choice=choice, c=c, transpose_w=transpose_w, scales=scales,
-              out_dtype=out, fast_accum=fast_accum)
+  attrs = {**_attributes.gemm(kernel, choice), "transpose_w": int(transpose_w)}
+  return call(x, w, attributes=attrs, c=c, scales=scales, out_dtype=out, fast_accum=fast_accum)
 
 
-def call(x, w, *, kernel: str, choice, transpose_w: bool, out_dtype, c=None, scales: tuple = (),
-         fast_accum: int = 0):
+def call(x, w, *, attributes: dict, out_dtype, c=None, scales: tuple = (), fast_accum: int = 0):
   """The jaxflux_gemm FFI call on operands `gemm` (or an op at tp=1) has checked: x [..., M, K]
-  @ w [K, N] ([N, K] with transpose_w) (+ c), written in out_dtype, run with `choice` (the
-  tuning choice of `kernel`'s op, see `choose`). scales: FP8's x row and w column scales;
-  fast_accum: FP8's accumulation."""
+  @ w [K, N] ([N, K] with the attribute transpose_w) (+ c), written in out_dtype, run with
+  `attributes` (the kernel's, from its op's tuning choice: _attributes.gemm, and transpose_w).
+  scales: FP8's x row and w column scales; fast_accum: FP8's accumulation."""
+  transpose_w = bool(attributes["transpose_w"])
   n = w.shape[0] if transpose_w else w.shape[1]
-  attrs = attributes(kernel, choice)
-  attrs.update(transpose_w=int(transpose_w), fast_accum=int(fast_accum))
+  attrs = {**attributes, "fast_accum": int(fast_accum)}
   _runtime.register_targets()
   source = c if c is not None else jnp.zeros((8,), out_dtype)  # not read by kernels 0 and 1
   # The CUTLASS workspace is a second result (sized here, unused after): the handler allocates
